@@ -1,0 +1,302 @@
+"""Strict configuration: YAML -> typed, frozen dataclasses.
+
+Every config section is a frozen dataclass whose fields are declared with `option(...)`, which
+carries the key's documentation. Loading is strict: an unknown key, a wrong type or a missing
+required key raises `ConfigError` naming the file and the dotted key path. Dotted `key=value`
+overrides (values parsed as YAML) are applied before validation, so they are checked too.
+`dump_config` writes a resolved config that `load_config` reads back to an equal object.
+
+The JSON schema Snakemake validates `config/config.yaml` with is generated from the same
+dataclasses (`json_schema`), so the documentation, the loader and the schema cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+from a2tgpo.io import atomic_write_text
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and the dotted key."""
+
+
+def option(default: Any = _MISSING, doc: str = "", *, factory: Any = _MISSING) -> Any:
+    """Declare a config key with its documentation (no default = required key)."""
+    if not doc:
+        raise TypeError("every config key must be documented")
+    kwargs: dict[str, Any] = {"metadata": {"doc": doc}}
+    if default is not _MISSING:
+        kwargs["default"] = default
+    if factory is not _MISSING:
+        kwargs["default_factory"] = factory
+    return dataclasses.field(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# dict -> dataclass
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of str to {_type_name(get_args(tp)[1])}"
+    if dataclasses.is_dataclass(tp):
+        return f"mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fail(source: str, path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {path or '<root>'}: {msg}")
+
+
+def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _convert(arg, value, source, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise _fail(source, path, f"expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _fail(source, path, f"expected null, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:
+            return value
+        raise _fail(source, path, f"expected {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _fail(source, path, f"expected bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _fail(source, path, f"expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _fail(source, path, f"expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _fail(source, path, f"expected str, got {value!r}")
+    if origin is tuple:
+        (item,) = [a for a in get_args(tp) if a is not Ellipsis]
+        if not isinstance(value, (list, tuple)):
+            raise _fail(source, path, f"expected {_type_name(tp)}, got {value!r}")
+        return tuple(_convert(item, v, source, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        _, item = get_args(tp)
+        if not isinstance(value, dict):
+            raise _fail(source, path, f"expected {_type_name(tp)}, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise _fail(source, f"{path}.{k}", "keys must be strings")
+            out[k] = _convert(item, v, source, f"{path}.{k}" if path else k)
+        return out
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source=source, path=path)
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = "") -> T:
+    """Build dataclass `cls` from a plain mapping, strictly (see module docstring)."""
+    if not isinstance(data, dict):
+        raise _fail(source, path, f"expected a mapping ({cls.__name__}), got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            where = f"{path}.{key}" if path else str(key)
+            raise _fail(source, where, f"unknown key{hint}; valid keys: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        where = f"{path}.{name}" if path else name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], source, where)
+        elif f.default is _MISSING and f.default_factory is _MISSING:
+            raise _fail(source, where, f"missing required key ({f.metadata.get('doc', '')})")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # __post_init__ cross-field checks
+        raise _fail(source, path, str(e)) from e
+
+
+# --------------------------------------------------------------------------------------------
+# files and overrides
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], yaml-parsed value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
+    """Return a copy of `data` with dotted overrides applied (unknown keys fail at validation)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = out
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[: i + 1])} is not a mapping")
+            node = nxt
+        node[keys[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: <root>: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    cls: type[T], path: str | Path, overrides: typing.Iterable[str] = (), *, section: str | None = None
+) -> T:
+    """Load `path` (optionally only its top-level `section`) into `cls`, with overrides."""
+    data = read_yaml(path)
+    source = str(path)
+    if section is not None:
+        if section not in data:
+            raise ConfigError(f"{path}: {section}: missing required section")
+        data = data[section]
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: {section}: expected a mapping")
+    overrides = list(overrides)
+    if overrides:
+        source = f"{path} (with overrides {' '.join(overrides)})"
+        data = apply_overrides(data, overrides)
+    if section is not None:
+        return _with_prefix(cls, data, source, section)
+    return from_dict(cls, data, source=source)
+
+
+def _with_prefix(cls: type[T], data: dict, source: str, section: str) -> T:
+    return from_dict(cls, data, source=source, path=section)
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain YAML-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def dump_config(obj: Any, path: str | Path) -> None:
+    """Write a resolved config atomically; `load_config(type(obj), path) == obj`."""
+    atomic_write_text(path, dump_yaml(to_dict(obj)))
+
+
+# --------------------------------------------------------------------------------------------
+# documentation and JSON schema (one source of truth: the dataclasses)
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Rows (dotted key, type, default, doc) for every key of `cls`, nested sections included."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if f.default is not _MISSING:
+            default = repr(to_dict(f.default))
+        elif f.default_factory is not _MISSING:
+            default = repr(to_dict(f.default_factory()))
+        else:
+            default = "(required)"
+        rows.append((key, _type_name(tp), default, f.metadata.get("doc", "")))
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key + "."))
+    return rows
+
+
+def _schema(tp: Any) -> dict:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema(a) for a in get_args(tp)]}
+    if tp is type(None):
+        return {"type": "null"}
+    if origin is Literal:
+        return {"enum": list(get_args(tp))}
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    if tp in simple:
+        return {"type": simple[tp]}
+    if origin is tuple:
+        return {"type": "array", "items": _schema(get_args(tp)[0])}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema(get_args(tp)[1])}
+    if dataclasses.is_dataclass(tp):
+        return json_schema(tp)
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def json_schema(cls: type) -> dict:
+    """JSON schema (draft-07 subset) of dataclass `cls`, with each key's doc as description."""
+    hints = typing.get_type_hints(cls)
+    props, required = {}, []
+    for f in dataclasses.fields(cls):
+        prop = _schema(hints[f.name])
+        prop["description"] = f.metadata.get("doc", "")
+        if f.default is _MISSING and f.default_factory is _MISSING:
+            required.append(f.name)
+        props[f.name] = prop
+    out: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        out["required"] = required
+    return out
