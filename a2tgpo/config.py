@@ -204,23 +204,17 @@ def load_config(
     """Load `path` (optionally only its top-level `section`) into `cls`, with overrides."""
     data = read_yaml(path)
     source = str(path)
-    if section is not None:
-        if section not in data:
-            raise ConfigError(f"{path}: {section}: missing required section")
-        data = data[section]
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: {section}: expected a mapping")
+    if section is not None:  # dotted: "corpus.download" reads data["corpus"]["download"]
+        for i, part in enumerate(section.split(".")):
+            where = ".".join(section.split(".")[: i + 1])
+            data = data.get(part, {})  # an absent section means "all defaults"
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: {where}: expected a mapping")
     overrides = list(overrides)
     if overrides:
         source = f"{path} (with overrides {' '.join(overrides)})"
         data = apply_overrides(data, overrides)
-    if section is not None:
-        return _with_prefix(cls, data, source, section)
-    return from_dict(cls, data, source=source)
-
-
-def _with_prefix(cls: type[T], data: dict, source: str, section: str) -> T:
-    return from_dict(cls, data, source=source, path=section)
+    return from_dict(cls, data, source=source, path=section or "")
 
 
 def to_dict(obj: Any) -> Any:
@@ -254,7 +248,9 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
-        if f.default is not _MISSING:
+        if dataclasses.is_dataclass(tp):
+            default = "(section, below)"
+        elif f.default is not _MISSING:
             default = repr(to_dict(f.default))
         elif f.default_factory is not _MISSING:
             default = repr(to_dict(f.default_factory()))

@@ -14,6 +14,9 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
@@ -30,6 +33,8 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         tmp = Path(name)
+    # mkstemp/mkdtemp create owner-only entries; results are meant to be shared like any file
+    os.chmod(tmp, (0o777 if directory else 0o666) & ~_UMASK)
     try:
         yield tmp
         if directory:

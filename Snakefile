@@ -1,0 +1,20 @@
+# a2tgpo: the experiment DAG. `snakemake` runs the toy study (config/config.yaml) locally with
+# profiles/default; `snakemake --profile profiles/slurm --configfile config/paper.yaml` runs the
+# papers' grid on a cluster. Rules only call the `a2tgpo` CLI (see workflow/rules/).
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

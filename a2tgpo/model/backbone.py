@@ -1,0 +1,86 @@
+"""Backbone loading: one code path for the toy model and for Qwen3-4B / Qwen3-8B / Qwen2.5-7B.
+
+A backbone is a config file in config/backbones/ naming a local directory or a hub id. Both
+load through `AutoTokenizer` / `AutoModelForCausalLM`; a hub id is resolved by
+huggingface_hub's cache (offline with HF_HUB_OFFLINE=1). Nothing here is toy-specific.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from a2tgpo.config import load_config, option
+
+log = logging.getLogger(__name__)
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """One policy backbone (config/backbones/<id>.yaml)."""
+
+    id: str = option(doc="Backbone id used in grid paths and tables, e.g. qwen3-4b.")
+    path: str = option(doc="Local directory or hub model id (e.g. Qwen/Qwen3-4B).")
+    revision: str | None = option(None, "Hub revision (commit, tag or branch); null = default.")
+    dtype: Dtype = option("auto", "Weights dtype; auto = bfloat16 on GPU, float32 on CPU.")
+    max_model_len: int = option(8192, "Longest sequence (prompt + response) the runs use.")
+    chat_template: str | None = option(
+        None, "Path to a Jinja chat template overriding the tokenizer's; null = keep it."
+    )
+    enable_thinking: bool | None = option(
+        None, "Passed to Qwen3's chat template (its thinking switch); null = do not pass."
+    )
+    needs_build: bool = option(
+        False, "True if the DAG builds this backbone (the toy); false for released models."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+
+
+def load_backbone_config(path: str | Path, overrides=()) -> BackboneConfig:
+    return load_config(BackboneConfig, path, overrides)
+
+
+def resolve_dtype(dtype: Dtype, device: str):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
+def chat_template_kwargs(cfg: BackboneConfig) -> dict:
+    """Extra keyword arguments for `tokenizer.apply_chat_template`."""
+    return {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
+
+
+def load_tokenizer(cfg: BackboneConfig):
+    """The backbone's tokenizer, left-padded (generation pads on the left)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.path, revision=cfg.revision, padding_side="left")
+    if cfg.chat_template is not None:
+        tok.chat_template = Path(cfg.chat_template).read_text()
+    if tok.pad_token is None:
+        # Qwen tokenizers define <|endoftext|> as pad; others may not
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"backbone {cfg.id}: tokenizer at {cfg.path} has no chat template; "
+                         "set chat_template in the backbone config")
+    return tok
+
+
+def load_model(cfg: BackboneConfig, device: str = "cpu"):
+    """The causal LM on `device`, in the configured dtype, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(cfg.dtype, device)
+    log.info("loading %s from %s (%s, %s)", cfg.id, cfg.path, dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(cfg.path, revision=cfg.revision, dtype=dtype)
+    return model.to(device).eval()

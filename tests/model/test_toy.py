@@ -1,0 +1,98 @@
+"""Toy tokenizer round trips and backbone save/load through the real-backbone code path."""
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from a2tgpo.data.world import QASetSpec, WorldConfig, write_world
+from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
+from a2tgpo.model.toy import IM_END, PAD, ToyBackboneConfig, write_toy_backbone
+from a2tgpo.rollout.prompts import TAGS, build_messages
+
+SMALL_WORLD = WorldConfig(
+    countries=4, cities=8, people=30, films=12, bands=6, companies=8, distractors=10,
+    qa_sets=(QASetSpec("s", "single_hop", {"train": 20}, {"single": 1.0}),),
+)
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    write_world(SMALL_WORLD, root / "world")
+    summary = write_toy_backbone(ToyBackboneConfig(), root / "world", root / "backbone")
+    return root / "backbone", summary
+
+
+@pytest.fixture(scope="module")
+def tok(backbone_dir):
+    return load_tokenizer(BackboneConfig(id="toy", path=str(backbone_dir[0])))
+
+
+def test_tags_are_single_non_special_tokens(tok):
+    for tag in TAGS:
+        ids = tok.encode(tag, add_special_tokens=False)
+        assert len(ids) == 1, tag
+        # the reward decodes with skip_special_tokens=True; the tags must survive that
+        assert tok.decode(ids, skip_special_tokens=True) == tag
+    assert tok.decode(tok.encode(IM_END, add_special_tokens=False), skip_special_tokens=True) == ""
+
+
+@pytest.mark.parametrize("text", [
+    "<think> reasoning </think> <search> The Silent Harbor </search>",
+    " <result>\nPage 1: \"Veaora\"\nVeaora is a country.\n</result>",
+    "<answer> The final answer is \\[ \\boxed{Drouora} \\] </answer>",
+    "\\boxed{a {nested} brace}",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "unicode: ünïcødé — ✓ 漢字",
+])
+def test_exact_round_trip(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_round_trip_any_text(tok, text):
+    # byte-level BPE has no unknown token: every string comes back byte for byte
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_chat_template_and_specials(tok):
+    text = tok.apply_chat_template(build_messages("who directed it", "a2tgpo"),
+                                   add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant")
+    assert text.endswith("<|im_start|>user\nwho directed it?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == IM_END and tok.pad_token == PAD and tok.padding_side == "left"
+
+
+def test_backbone_save_load_same_function(backbone_dir, tok):
+    path, summary = backbone_dir
+    cfg = BackboneConfig(id="toy", path=str(path), dtype="float32")
+    model = load_model(cfg)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    n = sum(p.numel() for p in model.parameters())
+    assert n == summary["parameters"] and 1_000_000 <= n <= 5_000_000
+    # vocabulary rounded up to a multiple of 64, as Qwen pads its embedding
+    assert model.config.vocab_size % 64 == 0
+    assert len(tok) <= model.config.vocab_size < len(tok) + 64
+    # same seed -> same weights, written twice from scratch
+    again = path.parent / "again"
+    write_toy_backbone(ToyBackboneConfig(), path.parent / "world", again)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (hashlib.sha256((path / name).read_bytes()).digest()
+                == hashlib.sha256((again / name).read_bytes()).digest()), name
+    # the reloaded model computes a causal LM forward pass of the right shape
+    ids = torch.tensor([tok.encode("Who directed The Silent Harbor?", add_special_tokens=False)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_model_config_validation():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        ToyBackboneConfig(num_attention_heads=4, num_key_value_heads=3)

@@ -1,0 +1,133 @@
+"""Strict config loading: errors name the file and the dotted key; dump/load round trips."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from a2tgpo.config import (
+    ConfigError,
+    describe,
+    dump_config,
+    from_dict,
+    json_schema,
+    load_config,
+    option,
+)
+
+
+@dataclass(frozen=True)
+class Inner:
+    lr: float = option(1e-6, "learning rate")
+    mode: Literal["token", "turn"] = option("turn", "ratio level")
+
+
+@dataclass(frozen=True)
+class Outer:
+    name: str = option(doc="required name")
+    steps: int = option(10, "steps")
+    betas: tuple[float, ...] = option((0.0, 0.3), "betas")
+    maybe: int | None = option(None, "optional int")
+    inner: Inner = option(doc="nested", factory=Inner)
+    items: tuple[Inner, ...] = option((), "list of nested")
+    table: dict[str, int] = option(doc="mapping", factory=dict)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_valid_file_loads_with_types(tmp_path):
+    p = write(tmp_path, "name: a\nsteps: 3\nbetas: [0, 0.1]\ninner: {lr: 2}\ntable: {x: 1}\n")
+    cfg = load_config(Outer, p)
+    # ints given for float keys are converted; lists become tuples (frozen, hashable)
+    assert cfg == Outer(name="a", steps=3, betas=(0.0, 0.1), inner=Inner(lr=2.0), table={"x": 1})
+    assert isinstance(cfg.inner.lr, float)
+
+
+@pytest.mark.parametrize(
+    "text, where, what",
+    [
+        ("name: a\nstpes: 3\n", "stpes", "did you mean 'steps'"),  # unknown key + suggestion
+        ("name: a\ninner: {lr: 1, extra: 2}\n", "inner.extra", "unknown key"),
+        ("steps: 3\n", "name", "missing required key"),
+        ("name: a\nsteps: three\n", "steps", "expected int"),
+        ("name: a\nsteps: 2.5\n", "steps", "expected int"),
+        ("name: a\nsteps: true\n", "steps", "expected int"),  # bool is not an int here
+        ("name: a\ninner: {mode: tokn}\n", "inner.mode", "one of 'token', 'turn'"),
+        ("name: a\nbetas: [0.1, x]\n", "betas[1]", "expected float"),
+        ("name: a\nitems: [{lr: 1}, {mode: x}]\n", "items[1].mode", "one of"),
+        ("name: a\ntable: {x: y}\n", "table.x", "expected int"),
+        ("name: 5\n", "name", "expected str"),
+    ],
+)
+def test_errors_name_file_and_dotted_key(tmp_path, text, where, what):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: {where}: "), msg
+    assert what in msg
+
+
+def test_not_a_mapping_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(Outer, write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(Outer, write(tmp_path, "name: [unclosed\n"))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(Outer, tmp_path / "nope.yaml")
+
+
+def test_overrides_are_parsed_and_validated(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    cfg = load_config(Outer, p, ["steps=7", "inner.mode=token", "betas=[0.5]", "maybe=null"])
+    assert (cfg.steps, cfg.inner.mode, cfg.betas, cfg.maybe) == (7, "token", (0.5,), None)
+    with pytest.raises(ConfigError, match=r"inner\.lrr: unknown key"):
+        load_config(Outer, p, ["inner.lrr=1"])
+    with pytest.raises(ConfigError, match="with overrides steps=x.*steps: expected int"):
+        load_config(Outer, p, ["steps=x"])
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(Outer, p, ["steps"])
+
+
+def test_section_loading(tmp_path):
+    p = write(tmp_path, "outer:\n  name: a\n  inner: {lr: 0.5}\n")
+    assert load_config(Inner, p, section="outer.inner") == Inner(lr=0.5)
+    with pytest.raises(ConfigError, match=r"outer\.inner\.bad: unknown key"):
+        load_config(Inner, p, ["bad=1"], section="outer.inner")
+
+
+def test_dump_and_reload_gives_the_same_object(tmp_path):
+    # 0.1 + 0.2 is not 0.3: the dump must keep every float bit (repr round trip)
+    cfg = Outer(name="x", betas=(0.1 + 0.2, 1e-7), items=(Inner(lr=3e-3, mode="token"),),
+                table={"a": 1})
+    path = tmp_path / "resolved.yaml"
+    dump_config(cfg, path)
+    assert load_config(Outer, path) == cfg
+
+
+def test_every_key_documented_and_schema_matches():
+    rows = describe(Outer)
+    keys = [r[0] for r in rows]
+    assert keys == ["name", "steps", "betas", "maybe", "inner", "inner.lr", "inner.mode",
+                    "items", "table"]
+    assert all(r[3] for r in rows)
+    schema = json_schema(Outer)
+    assert schema["required"] == ["name"]
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["inner"]["properties"]["mode"]["enum"] == ["token", "turn"]
+
+
+def test_option_requires_doc():
+    with pytest.raises(TypeError):
+        option(1)
+
+
+def test_post_init_errors_become_config_errors():
+    from a2tgpo.data.world import WorldConfig
+
+    with pytest.raises(ConfigError, match="cities must be >= countries"):
+        from_dict(WorldConfig, {"countries": 5, "cities": 3}, source="w.yaml", path="world")

@@ -1,0 +1,67 @@
+# World, toy backbone, QA data and corpus: everything the index, training and evaluation read.
+
+
+rule resolve_section:
+    """One validated config section, defaults filled in: the file a stage command reads.
+    Editing that section in config/config.yaml (a params change) reruns only its consumers."""
+    output:
+        f"{R}/configs/{{section}}.yaml",
+    params:
+        values=lambda wc: config.get(wc.section.split(".")[0], {}),
+    localrule: True
+    run:
+        from a2tgpo.study import section
+        from a2tgpo.config import dump_config
+
+        dump_config(section(STUDY, wildcards.section), output[0])
+
+
+rule world:
+    input:
+        f"{R}/configs/world.yaml",
+    output:
+        corpus=f"{R}/world/corpus.jsonl",
+        summary=f"{R}/world/summary.json",
+    log:
+        f"{R}/logs/world.log",
+    shell:
+        "a2tgpo world {input} --out {R}/world > {log} 2>&1"
+
+
+rule toy_backbone:
+    input:
+        cfg=f"{R}/configs/toy_backbone.yaml",
+        world=f"{R}/world/summary.json",
+    output:
+        [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()],
+    params:
+        out=lambda wc, output: str(Path(output[0]).parent),
+    log:
+        f"{R}/logs/toy_backbone.log",
+    shell:
+        "a2tgpo toy-backbone {input.cfg} --world {R}/world --out {params.out} > {log} 2>&1"
+
+
+rule prepare_data:
+    input:
+        cfg=f"{R}/configs/data.yaml",
+        world=[f"{R}/world/summary.json"] if uses_world() else [],
+    output:
+        f"{R}/data/summary.json",
+    log:
+        f"{R}/logs/prepare_data.log",
+    shell:
+        "a2tgpo prepare-data {input.cfg} --out {R}/data > {log} 2>&1"
+
+
+rule download_corpus:
+    input:
+        f"{R}/configs/corpus.download.yaml",
+    output:
+        f"{R}/corpus/{STUDY.corpus.download.filename}",
+    log:
+        f"{R}/logs/download_corpus.log",
+    resources:
+        runtime=600,
+    shell:
+        "a2tgpo download-corpus {input} --out {R}/corpus > {log} 2>&1"
