@@ -283,7 +283,7 @@ def _schema(tp: Any) -> dict:
 
 
 def json_schema(cls: type) -> dict:
-    """JSON schema (draft-07 subset) of dataclass `cls`, with each key's doc as description."""
+    """JSON schema (draft 2020-12 subset) of dataclass `cls`, with each key's doc as description."""
     hints = typing.get_type_hints(cls)
     props, required = {}, []
     for f in dataclasses.fields(cls):

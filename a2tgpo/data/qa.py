@@ -1,0 +1,455 @@
+"""QA data preparation (`a2tgpo prepare-data`): hub or local QA files -> one normalised schema.
+
+Two source layouts are read, both exactly as they lie on the Hugging Face hub (or in a local
+directory with the same relative paths):
+
+* `flashrag` (`RUC-NLPIR/FlashRAG_datasets`): one folder per dataset, one JSONL file per split,
+  `<subset>/<split>.jsonl`, rows `{"id", "question", "golden_answers": [str], "metadata": {...}}`
+  (`metadata` is absent for e.g. nq). Our toy world (`a2tgpo.data.world`) writes the same layout
+  with `metadata.hop_type` / `metadata.hops`.
+* `searchr1` (`PeterJinGo/nq_hotpotqa_train`): `<split>.parquet` at the repo root, the output of
+  Search-R1's `scripts/data_process/qa_search_{train,test}_merge.py`: the FlashRAG columns (with
+  the question already stripped and "?"-terminated) plus `data_source`, `prompt`, `ability`,
+  `reward_model{style, ground_truth{target}}` and `extra_info{split, index}`. The answers are
+  read from `reward_model.ground_truth.target`, the list Search-R1's reward scores.
+
+Every row becomes (`row_schema()`): `id` (`<name>/<raw id>`, or `<name>/<data_source>/<raw id>` for
+searchr1, whose raw ids repeat across data sources), `question` (stripped), `golden_answers`
+(non-empty list of stripped, non-empty strings), `source` (dataset: the source name, or the
+row's `data_source` for searchr1), `split` (the file's split), `group`, `hop_type`, `hops`.
+
+`prepare_data` writes `train.parquet` (all training sources minus the dev holdout),
+`dev.parquet`, `test/<name>.parquet` and, last, `summary.json`. Outputs are deterministic: the
+same inputs and seed give byte-identical parquet files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Literal
+
+from a2tgpo.config import load_config, option
+from a2tgpo.io import atomic_path, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSource:
+    """One QA file: `<repo>/<subset>/<split>.jsonl` (flashrag) or `<repo>/<split>.parquet`."""
+
+    name: str = option(doc="output name: test file `test/<name>.parquet` and the id prefix")
+    loader: Literal["flashrag", "searchr1"] = option(
+        doc="file layout: 'flashrag' (FlashRAG_datasets) or 'searchr1' (Search-R1 "
+            "nq_hotpotqa_train parquet)")
+    repo: str = option(doc="HF hub dataset id (e.g. RUC-NLPIR/FlashRAG_datasets) or a local "
+                           "directory laid out exactly like that hub repo")
+    group: Literal["single_hop", "multi_hop", "mixed"] = option(
+        doc="benchmark group the rows are reported under")
+    subset: str = option("", "flashrag dataset folder, e.g. nq, hotpotqa, 2wikimultihopqa "
+                             "(must be empty for searchr1)")
+    split: str = option("auto", "split file to read; 'auto' = test if it exists, else dev "
+                                "(the Search-R1 / A2TGPO evaluation rule)")
+    limit: int | None = option(None, "keep only the first N rows of the file (small runs)")
+    revision: str | None = option(None, "hub revision (branch, tag or commit) to pin; hub only")
+
+    def __post_init__(self) -> None:
+        if not _SAFE_NAME.match(self.name):
+            raise ValueError(f"name {self.name!r} must match {_SAFE_NAME.pattern}")
+        if self.loader == "flashrag" and not _SAFE_NAME.match(self.subset):
+            raise ValueError(f"subset {self.subset!r}: the flashrag loader needs a folder name")
+        if self.loader == "searchr1" and self.subset:
+            raise ValueError("subset is only used by the flashrag loader; leave it empty")
+        if not _SAFE_NAME.match(self.split):
+            raise ValueError(f"split {self.split!r} must match {_SAFE_NAME.pattern}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 or null, got {self.limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The `data` section: which QA files form the train, dev and test splits."""
+
+    train: tuple[DatasetSource, ...] = option(doc="training sources, concatenated in this order")
+    test: tuple[DatasetSource, ...] = option((), "evaluation sources, one test/<name>.parquet each")
+    dev_size: int = option(0, "rows held out of the combined training rows (chosen by `seed`) "
+                              "as the dev split for checkpoint selection; disjoint from train")
+    seed: int = option(0, "seed of the dev holdout")
+    on_invalid_row: Literal["error", "drop"] = option(
+        "error", "a row without a question or golden answers: 'error' stops, 'drop' skips and "
+                 "counts it (reported in summary.json)")
+
+    def __post_init__(self) -> None:
+        for role, sources in (("train", self.train), ("test", self.test)):
+            names = Counter(s.name for s in sources)
+            if dup := sorted(n for n, k in names.items() if k > 1):
+                raise ValueError(f"{role}: duplicate source names {dup}")
+        if self.dev_size < 0:
+            raise ValueError(f"dev_size must be >= 0, got {self.dev_size}")
+
+
+# --------------------------------------------------------------------------------------------
+# file resolution
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedFile:
+    path: Path  # a local file (a hub file is downloaded into the HF cache)
+    display: str  # what error messages and summary.json call the file
+    split: str  # the concrete split ("auto" resolved)
+
+
+def _filename(src: DatasetSource, split: str) -> str:
+    if src.loader == "flashrag":
+        return f"{src.subset}/{split}.jsonl"
+    return f"{split}.parquet"
+
+
+def _candidate_splits(src: DatasetSource) -> tuple[str, ...]:
+    return ("test", "dev") if src.split == "auto" else (src.split,)
+
+
+def resolve_file(src: DatasetSource) -> ResolvedFile:
+    """Find the file of `src` locally or on the hub (downloading it); raise if it is missing."""
+    local = Path(src.repo).expanduser()
+    if local.exists() or src.repo.startswith(("/", ".", "~")):
+        return _resolve_local(src, local)
+    return _resolve_hub(src)
+
+
+def _resolve_local(src: DatasetSource, root: Path) -> ResolvedFile:
+    if not root.is_dir():
+        raise FileNotFoundError(f"{src.name}: local dataset directory {root} not found")
+    if src.revision is not None:
+        raise ValueError(f"{src.name}: revision applies to hub repos only, {root} is local")
+    for split in _candidate_splits(src):
+        path = root / _filename(src, split)
+        if path.is_file():
+            return ResolvedFile(path, str(path), split)
+    tried = ", ".join(str(root / _filename(src, s)) for s in _candidate_splits(src))
+    raise FileNotFoundError(f"{src.name}: no such file: {tried}")
+
+
+def _resolve_hub(src: DatasetSource) -> ResolvedFile:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def display(split: str) -> str:
+        at = f"@{src.revision}" if src.revision else ""
+        return f"hf://datasets/{src.repo}{at}/{_filename(src, split)}"
+
+    split = src.split
+    if split == "auto":
+        split = _hub_auto_split(src, display, offline=constants.HF_HUB_OFFLINE)
+    # Honours HF_HUB_OFFLINE itself: offline it only returns a cached file, else raises.
+    path = huggingface_hub.hf_hub_download(
+        src.repo, _filename(src, split), repo_type="dataset", revision=src.revision
+    )
+    return ResolvedFile(Path(path), display(split), split)
+
+
+def _hub_auto_split(src: DatasetSource, display, *, offline: bool) -> str:
+    import huggingface_hub
+
+    if not offline:
+        files = set(huggingface_hub.HfApi().list_repo_files(
+            src.repo, repo_type="dataset", revision=src.revision))
+        for split in ("test", "dev"):
+            if _filename(src, split) in files:
+                return split
+        raise FileNotFoundError(
+            f"{src.name}: neither {display('test')} nor {display('dev')} exists")
+    # Offline the repo listing is unavailable; the cache knows a file (path), knows it is absent
+    # (a sentinel object) or knows nothing (None). Guessing "dev" when "test" is merely
+    # uncached would silently evaluate on the wrong split, so that case is an error.
+    for split in ("test", "dev"):
+        cached = huggingface_hub.try_to_load_from_cache(
+            src.repo, _filename(src, split), revision=src.revision, repo_type="dataset")
+        if isinstance(cached, str):
+            return split
+        if cached is None:
+            raise FileNotFoundError(
+                f"{src.name}: HF_HUB_OFFLINE is set and the cache does not know whether "
+                f"{display(split)} exists, so split 'auto' cannot be resolved; set `split` "
+                "explicitly or download the file first")
+    raise FileNotFoundError(
+        f"{src.name}: neither {display('test')} nor {display('dev')} exists")
+
+
+# --------------------------------------------------------------------------------------------
+# row normalisation
+
+SINGLE_HOP_DATASETS = frozenset({"nq", "triviaqa", "popqa"})
+# MuSiQue ids start with the question's shape, e.g. "2hop__", "3hop1__", "4hop3__".
+_MUSIQUE_ID = re.compile(r"^(([234])hop\d*)__")
+# the answer list of each layout (searchr1: the one its reward scores; flattened column name)
+ANSWERS_COLUMN = {"flashrag": "golden_answers", "searchr1": "reward_model.ground_truth.target"}
+# metadata keys hop_info reads (FlashRAG: type, question_decomposition; toy world: hop_type, hops)
+_META_KEYS = ("hop_type", "hops", "type", "question_decomposition")
+
+
+def hop_info(dataset: str, raw_id: str, meta: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(hop_type, hops) of a row, from what its dataset states; None where it states nothing."""
+    if meta.get("hop_type") is not None:  # our toy world states both
+        return str(meta["hop_type"]), meta.get("hops")
+    if dataset in SINGLE_HOP_DATASETS:
+        return "single", 1
+    if dataset == "hotpotqa":  # type: bridge | comparison; two gold paragraphs by construction
+        return meta.get("type"), 2
+    if dataset == "2wikimultihopqa":  # compositional|comparison|inference|bridge_comparison
+        return meta.get("type"), None
+    if dataset == "musique":
+        if m := _MUSIQUE_ID.match(raw_id):
+            return m.group(1), int(m.group(2))
+        if decomposition := meta.get("question_decomposition"):  # one sub-question per hop
+            return f"{len(decomposition)}hop", len(decomposition)
+        return None, None
+    if dataset == "bamboogle":  # 125 two-hop questions by construction (Press et al., 2022)
+        return None, 2
+    return None, None
+
+
+def _meta_of(row: dict[str, Any]) -> dict[str, Any]:
+    # After Dataset.flatten() struct metadata arrives as "metadata.<key>" columns; a metadata
+    # column whose rows disagree in type stays one decoded JSON value instead.
+    if isinstance(row.get("metadata"), dict):
+        return row["metadata"]
+    return {k: row[f"metadata.{k}"] for k in _META_KEYS if f"metadata.{k}" in row}
+
+
+def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str, Any]:
+    """One raw (flattened) row -> a `row_schema()` dict; ValueError (no location) if invalid."""
+    raw_id = row.get("id")
+    if isinstance(raw_id, int) and not isinstance(raw_id, bool):
+        raw_id = str(raw_id)
+    if not isinstance(raw_id, str) or not raw_id.strip():
+        raise ValueError("missing or empty id")
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"missing or empty question: {question!r}")
+    answers_key = ANSWERS_COLUMN[src.loader]
+    answers = row.get(answers_key)
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"{answers_key} must be a non-empty list, got {answers!r}")
+    if not all(isinstance(a, str) and a.strip() for a in answers):
+        raise ValueError(f"{answers_key} must hold non-empty strings, got {answers!r}")
+    if src.loader == "flashrag":
+        dataset, row_id = src.subset, f"{src.name}/{raw_id}"
+        source = src.name
+    else:
+        dataset = row.get("data_source")
+        if not isinstance(dataset, str) or not dataset:
+            raise ValueError(f"missing data_source: {dataset!r}")
+        row_id, source = f"{src.name}/{dataset}/{raw_id}", dataset
+    hop_type, hops = hop_info(dataset, raw_id, _meta_of(row))
+    if hops is not None and (not isinstance(hops, int) or isinstance(hops, bool)):
+        raise ValueError(f"metadata.hops must be an int, got {hops!r}")
+    return {
+        "id": row_id,
+        "question": question.strip(),
+        "golden_answers": [a.strip() for a in answers],
+        "source": source,
+        "split": split,
+        "group": src.group,
+        "hop_type": None if hop_type is None else str(hop_type),
+        "hops": hops,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedSource:
+    source: DatasetSource
+    file: ResolvedFile
+    rows: list[dict[str, Any]]  # row_schema() dicts, file order
+    dropped: int  # invalid rows skipped (on_invalid_row="drop")
+
+
+def load_source(
+    src: DatasetSource, on_invalid_row: Literal["error", "drop"] = "error"
+) -> LoadedSource:
+    """Resolve, load (through `datasets`) and normalise one source.
+
+    An invalid row raises ValueError naming the file, the 0-based row index and the raw id, or
+    with on_invalid_row="drop" is skipped, counted and logged.
+    """
+    import datasets
+
+    file = resolve_file(src)
+    answers_key = ANSWERS_COLUMN[src.loader]
+    # Dataset.from_json/from_parquet run the same builders as load_dataset("json"|"parquet")
+    # but skip its download-count HEAD request to the hub, which stalls for seconds offline.
+    # A throw-away Arrow cache: the conversion is cheap, and a persistent cache keyed on path
+    # and mtime could serve a stale copy of an edited local file.
+    read = datasets.Dataset.from_json if src.loader == "flashrag" else datasets.Dataset.from_parquet
+    with tempfile.TemporaryDirectory(prefix="a2tgpo-qa-") as cache:
+        ds = read(str(file.path), cache_dir=cache)
+        if src.limit is not None:
+            ds = ds.select(range(min(src.limit, len(ds))))
+        ds = ds.flatten()  # nested columns -> "a.b" columns, so only the needed ones are read
+        if src.loader == "searchr1":
+            for col in ("id", "question", "data_source", answers_key):
+                if col not in ds.column_names:
+                    raise ValueError(f"{file.display}: no column {col!r} (a Search-R1 parquet "
+                                     f"file has it); columns: {ds.column_names}")
+        wanted = {"id", "question", answers_key, "data_source", "metadata",
+                  *(f"metadata.{k}" for k in _META_KEYS)}
+        raw_rows = ds.select_columns([c for c in ds.column_names if c in wanted]).to_list()
+
+    rows, errors = [], []
+    for i, raw in enumerate(raw_rows):
+        try:
+            rows.append(_normalise(raw, src, file.split))
+        except ValueError as e:
+            msg = f"{file.display}: row {i} (id {raw.get('id')!r}): {e}"
+            if on_invalid_row == "error":
+                raise ValueError(msg) from None
+            errors.append(msg)
+    if errors:
+        log.warning("%s: dropped %d invalid rows; first: %s", file.display, len(errors), errors[0])
+    _check_unique_ids(rows, file.display)
+    return LoadedSource(src, file, rows, len(errors))
+
+
+def _check_unique_ids(rows: list[dict[str, Any]], where: str) -> None:
+    counts = Counter(r["id"] for r in rows)
+    if dup := sorted(i for i, k in counts.items() if k > 1):
+        raise ValueError(f"{where}: duplicate ids {dup[:5]}{' ...' if len(dup) > 5 else ''}")
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def row_schema():
+    """The pyarrow schema of every prepared parquet file (see the module docstring)."""
+    import pyarrow as pa
+
+    return pa.schema([
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("question", pa.string(), nullable=False),
+        pa.field("golden_answers", pa.list_(pa.string()), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("group", pa.string(), nullable=False),
+        pa.field("hop_type", pa.string()),
+        pa.field("hops", pa.int32()),
+    ])
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # A fixed schema (not one inferred from the rows) keeps empty and all-null columns typed.
+    pq.write_table(pa.Table.from_pylist(rows, schema=row_schema()), path)
+
+
+def load_split(path: str | Path) -> list[dict[str, Any]]:
+    """Read a prepared parquet file back as `row_schema()` dicts (file order)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if not table.schema.remove_metadata().equals(row_schema()):
+        raise ValueError(f"{path}: not a prepared QA file; schema is {table.schema}")
+    return table.to_pylist()
+
+
+def dev_holdout(ids: list[str], dev_size: int, seed: int) -> set[str]:
+    """The `dev_size` ids with the smallest sha256("<seed>:<id>").
+
+    Hashing the id (not drawing from an RNG over positions) makes the choice independent of
+    row order and Python version: the same id with the same seed is always held out.
+    """
+    if dev_size > len(ids):
+        raise ValueError(f"dev_size {dev_size} exceeds the {len(ids)} training rows")
+    ranked = sorted(ids, key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
+    return set(ranked[:dev_size])
+
+
+def _counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by_source: dict[str, Counter] = {}
+    for r in rows:
+        by_source.setdefault(r["source"], Counter())[r["hop_type"] or "none"] += 1
+    return {
+        "rows": len(rows),
+        "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},
+    }
+
+
+def prepare_data(cfg: DataConfig, out_dir: str | Path) -> dict[str, Any]:
+    """Load every source and write train/dev/test parquet files and summary.json (last).
+
+    Returns the summary: per output file its row count and rows per source and hop_type, per
+    input its resolved file, split, loaded and dropped rows.
+    """
+    out = Path(out_dir)
+    loaded = {
+        role: [load_source(s, cfg.on_invalid_row) for s in sources]
+        for role, sources in (("train", cfg.train), ("test", cfg.test))
+    }
+    train_all = [r for part in loaded["train"] for r in part.rows]
+    _check_unique_ids(train_all, "training sources combined")
+    dev_ids = dev_holdout([r["id"] for r in train_all], cfg.dev_size, cfg.seed)
+    outputs = {
+        "train.parquet": [r for r in train_all if r["id"] not in dev_ids],
+        "dev.parquet": [r for r in train_all if r["id"] in dev_ids],
+    }
+    outputs |= {f"test/{part.source.name}.parquet": part.rows for part in loaded["test"]}
+
+    for name in ("train.parquet", "dev.parquet"):
+        with atomic_path(out / name) as tmp:
+            _write_rows(tmp, outputs[name])
+    # The test folder is replaced whole, so a source removed from the config leaves no file.
+    with atomic_path(out / "test", directory=True) as tmp_dir:
+        for part in loaded["test"]:
+            _write_rows(tmp_dir / f"{part.source.name}.parquet", part.rows)
+
+    summary = {
+        "seed": cfg.seed,
+        "dev_size": cfg.dev_size,
+        "on_invalid_row": cfg.on_invalid_row,
+        "inputs": [
+            {"role": role, "name": p.source.name, "loader": p.source.loader, "file": p.file.display,
+             "split": p.file.split, "rows": len(p.rows), "dropped": p.dropped}
+            for role, parts in loaded.items() for p in parts
+        ],
+        "dropped": {f"{role}/{p.source.name}": p.dropped
+                    for role, parts in loaded.items() for p in parts},
+        "files": {name: _counts(rows) for name, rows in outputs.items()},
+    }
+    atomic_write_json(out / "summary.json", summary)
+    print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("file", "source", "hop types", "rows", title="prepared QA data")
+    for name, info in summary["files"].items():
+        if not info["by_source"]:
+            table.add_row(name, "-", "-", "0")
+        for source, hops in info["by_source"].items():
+            kinds = ", ".join(f"{h} {n}" for h, n in hops.items())
+            table.add_row(name, source, kinds, str(sum(hops.values())))
+    console = Console()
+    console.print(table)
+    if dropped := {k: n for k, n in summary["dropped"].items() if n}:
+        console.print("[yellow]dropped invalid rows:[/] "
+                      + ", ".join(f"{k} {n}" for k, n in dropped.items()))
+
+
+def main(config_path: str, overrides: list[str], out_dir: str, section: str | None = "data") -> int:
+    """CLI entry: load the `data` section of `config_path` and prepare the data into `out_dir`."""
+    cfg = load_config(DataConfig, config_path, overrides, section=section)
+    prepare_data(cfg, Path(out_dir))
+    return 0
