@@ -77,6 +77,129 @@ def cmd_download_corpus(args) -> int:
     return corpus.main(args.config, args.overrides, args.out, section=args.section)
 
 
+def _retrieval(args):
+    from a2tgpo.retrieval.retriever import RetrievalConfig
+
+    return _load(RetrievalConfig, args)
+
+
+def _index_meta(cfg, corpus: str) -> dict:
+    from a2tgpo.config import to_dict
+
+    enc = to_dict(cfg.encoder)
+    # what decides the vectors; device and batching do not
+    keep = ("model", "revision", "pooling", "passage_prefix", "normalize", "max_length")
+    return {"corpus": corpus, "encoder": {k: enc[k] for k in keep}}
+
+
+def cmd_encode_corpus(args) -> int:
+    from a2tgpo.retrieval.docstore import DocStore
+    from a2tgpo.retrieval.encoders import Encoder
+    from a2tgpo.retrieval.index import encode_shard
+
+    cfg = _retrieval(args)
+    docs = DocStore(args.corpus)
+    emb = encode_shard(docs, Encoder(cfg.encoder), args.shard, cfg.index.num_shards, args.out,
+                       cfg.index.chunk_size)
+    print(f"shard {args.shard}/{cfg.index.num_shards}: {len(emb):,} passages x {emb.shape[1]} "
+          f"-> {args.out}")
+    return 0
+
+
+def cmd_build_index(args) -> int:
+    from a2tgpo.retrieval.docstore import DocStore
+    from a2tgpo.retrieval.index import build_index
+
+    cfg = _retrieval(args)
+    if len(args.shards) != cfg.index.num_shards:
+        raise ConfigError(f"index.num_shards is {cfg.index.num_shards} but "
+                          f"{len(args.shards)} shard files were given")
+    n = len(DocStore(args.corpus))
+    meta = build_index(args.shards, cfg.index, n, args.out, _index_meta(cfg, args.corpus))
+    print(f"index {cfg.index.factory}: {meta['ntotal']:,} vectors of dim {meta['dim']} "
+          f"(= corpus passages) -> {args.out}")
+    return 0
+
+
+def cmd_check_index(args) -> int:
+    from a2tgpo.io import atomic_write_json
+    from a2tgpo.retrieval.docstore import DocStore
+    from a2tgpo.retrieval.index import load_index
+
+    cfg = _retrieval(args)
+    n = len(DocStore(args.corpus))
+    index = load_index(args.index, cfg.index, n)  # raises IndexMismatch on a count mismatch
+    atomic_write_json(args.out, {"index": args.index, "corpus": args.corpus,
+                                 "ntotal": int(index.ntotal), "dim": int(index.d)})
+    print(f"{args.index}: {index.ntotal:,} vectors = {n:,} corpus passages")
+    return 0
+
+
+def _open_retriever(args, cfg, retriever: str | None = None):
+    import dataclasses
+
+    from a2tgpo.retrieval.index import IndexMismatch, read_meta
+    from a2tgpo.retrieval.retriever import build_retriever
+
+    if retriever is not None:
+        cfg = dataclasses.replace(cfg, retriever=retriever)
+    if cfg.retriever == "dense" and cfg.mode == "inprocess":
+        built = read_meta(args.index).get("encoder")
+        want = _index_meta(cfg, args.corpus)["encoder"]
+        if built is not None and built != want:
+            raise IndexMismatch(f"{args.index} was built with encoder {built}, but the config "
+                                f"asks for {want}; rebuild the index or fix retrieval.encoder")
+    return build_retriever(cfg, args.corpus, args.index)
+
+
+def cmd_serve_retriever(args) -> int:
+    from a2tgpo.retrieval.http import serve
+
+    cfg = _retrieval(args)
+    retriever = _open_retriever(args, cfg)
+    h = cfg.http
+    serve(retriever, host=args.host or h.host, port=args.port or h.port,
+          default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms)
+    return 0
+
+
+def cmd_search(args) -> int:
+    from a2tgpo.retrieval.retriever import format_passages
+
+    cfg = _retrieval(args)
+    retriever = _open_retriever(args, cfg)
+    for q, hits in zip(args.query, retriever.search(args.query, args.topk or cfg.topk)):
+        print(f"### {q}")
+        print(format_passages(hits, args.style, cfg.max_passage_chars))
+        print("scores: " + ", ".join(f"{h.id}={h.score:.3f}" for h in hits))
+    return 0
+
+
+def cmd_retrieval_eval(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from a2tgpo.io import atomic_write_json
+    from a2tgpo.retrieval.evaluate import first_hop_recall, load_world_questions
+
+    cfg = _retrieval(args)
+    questions = load_world_questions(args.world)
+    report = {}
+    for kind in ("dense", "bm25"):
+        retriever = _open_retriever(args, cfg, retriever=kind)
+        report[kind] = first_hop_recall(retriever, questions, cfg.eval_k)
+        retriever.close()
+    atomic_write_json(args.out, report)
+    table = Table("retriever", "questions", *(f"recall@{k}" for k in cfg.eval_k),
+                  title="first-hop passage recall (query = the question)")
+    for kind, r in report.items():
+        for name, sub in [("all", r), *[(f"  {t}", v) for t, v in r["by_hop_type"].items()]]:
+            table.add_row(f"{kind} {name}", str(sub["n"]),
+                          *(f"{sub['recall'][str(k)]:.3f}" for k in cfg.eval_k))
+    Console().print(table)
+    return 0
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -173,6 +296,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_download_corpus)
 
+    def retrieval_args(p, index=True):
+        _config_args(p, "retrieval")
+        p.add_argument("--corpus", required=True, help="wiki-18-format JSONL corpus (.jsonl[.gz])")
+        if index:
+            p.add_argument("--index", default=None, help="faiss index (dense retriever)")
+
+    p = sub.add_parser(
+        "encode-corpus",
+        help="embed one shard of the corpus (resumable)",
+        description="Embed rows [start, end) of shard SHARD of retrieval.index.num_shards with "
+        "the configured encoder; finished chunks are kept, so a killed job resumes; the shard's "
+        ".npy file appears atomically when complete.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p, index=False)
+    p.add_argument("--shard", type=int, required=True, help="shard number, 0-based")
+    p.add_argument("--out", required=True, help="output .npy file")
+    p.set_defaults(func=cmd_encode_corpus)
+
+    p = sub.add_parser(
+        "build-index",
+        help="build one faiss index from the encoded shards",
+        description="Add the shard embeddings in order to faiss.index_factory(d, factory, IP), "
+        "train it first when the factory needs it, check that it holds one vector per corpus "
+        "passage, and write it (plus <index>.json metadata) atomically.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p, index=False)
+    p.add_argument("--shards", nargs="+", required=True, help="shard .npy files, in order")
+    p.add_argument("--out", required=True, help="output index file")
+    p.set_defaults(func=cmd_build_index)
+
+    p = sub.add_parser(
+        "check-index",
+        help="check that an index (e.g. Search-R1's prebuilt one) matches the corpus",
+        description="Load the index (after estimating its memory need), compare its vector "
+        "count with the corpus's passage count, and write a small JSON record if they agree.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p)
+    p.add_argument("--out", required=True, help="output JSON record")
+    p.set_defaults(func=cmd_check_index)
+
+    p = sub.add_parser(
+        "serve-retriever",
+        help="serve the retriever over HTTP (Search-R1's POST /retrieve API)",
+        description="Load the configured retriever and serve POST /retrieve with body "
+        "{queries, topk, return_scores}, batching concurrent requests. Binds 127.0.0.1 unless "
+        "--host says otherwise.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p)
+    p.add_argument("--host", default=None, help="bind address (default: retrieval.http.host)")
+    p.add_argument("--port", type=int, default=None, help="port (default: retrieval.http.port)")
+    p.set_defaults(func=cmd_serve_retriever)
+
+    p = sub.add_parser(
+        "search",
+        help="run queries through the configured retriever and print the passages",
+        description="Run QUERY strings through the configured retriever (in-process or HTTP) and "
+        "print each result as the policy would see it.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p)
+    p.add_argument("--query", action="append", required=True, help="a query (repeatable)")
+    p.add_argument("--topk", type=int, default=None)
+    p.add_argument("--style", choices=["a2tgpo", "search_r1"], default="a2tgpo")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser(
+        "retrieval-eval",
+        help="recall@k of each toy question's first-hop passage, dense and BM25",
+        description="For every question of the toy world, search with the question text and "
+        "report recall@k (retrieval.eval_k) of the passage holding its first hop, overall, by "
+        "hop type and by dataset, for the dense retriever and for BM25.",
+        formatter_class=fmt,
+    )
+    retrieval_args(p)
+    p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
+    p.add_argument("--out", required=True, help="output JSON report")
+    p.set_defaults(func=cmd_retrieval_eval)
+
     p = sub.add_parser(
         "check-config",
         help="validate a study config (config/config.yaml) strictly",
@@ -209,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    from a2tgpo.retrieval.index import IndexMismatch
+
+    return (IndexMismatch,)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -221,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"a2tgpo {args.command}: config error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, MemoryError, _user_errors()) as e:
+        # problems of the inputs, not of the code: a message, not a traceback
+        print(f"a2tgpo {args.command}: error: {e}", file=sys.stderr)
+        return 1
     logging.getLogger("a2tgpo").info("%s done in %.1f s", args.command, time.perf_counter() - start)
     return rc
 

@@ -26,6 +26,7 @@ from a2tgpo.data.qa import DataConfig
 from a2tgpo.data.world import WorldConfig
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
+from a2tgpo.retrieval.retriever import RetrievalConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class StudyConfig:
     )
     data: DataConfig = option(doc="QA datasets: training sets, dev holdout, test sets.")
     corpus: CorpusSection = option(doc="Retrieval corpus source.", factory=CorpusSection)
+    retrieval: RetrievalConfig = option(
+        doc="The search tool: retriever, encoder, index, HTTP mode.", factory=RetrievalConfig
+    )
 
     def __post_init__(self) -> None:
         if not self.study or "/" in self.study:

@@ -43,9 +43,9 @@ def corpus_file():
 
 
 def all_targets():
-    targets = [f"{R}/data/summary.json", corpus_file()]
+    targets = [f"{R}/data/summary.json", corpus_file(), f"{R}/index/check.json"]
     if uses_world():
-        targets.append(f"{R}/world/summary.json")
+        targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]
     return targets
 

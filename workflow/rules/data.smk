@@ -58,7 +58,12 @@ rule download_corpus:
     input:
         f"{R}/configs/corpus.download.yaml",
     output:
-        f"{R}/corpus/{STUDY.corpus.download.filename}",
+        [f"{R}/corpus/{STUDY.corpus.download.filename}"]
+        + (
+            [f"{R}/corpus/{STUDY.corpus.download.index.combined_name}"]
+            if STUDY.corpus.download.index.enabled
+            else []
+        ),
     log:
         f"{R}/logs/download_corpus.log",
     resources:

@@ -1,0 +1,442 @@
+"""HTTP mode of the retriever: a batching server and a client, both on Search-R1's `/retrieve` API.
+
+Wire format (as in Search-R1's `search_r1/search/retrieval_server.py`, so either side can talk to
+the other project's counterpart):
+
+    POST /retrieve  {"queries": [str], "topk": int | null, "return_scores": bool}
+      -> {"result": [[{"document": {"id", "contents"}, "score": float}, ...] per query]}
+         with return_scores; without it each item is the bare document {"id", "contents"}.
+
+`topk: null` (or absent) means the server's default; `return_scores` defaults to false.
+
+Deviations from Search-R1's server, all on the safe side:
+- It binds 0.0.0.0; `serve` binds 127.0.0.1 unless a host is given.
+- It treats `topk: 0` as "use the default"; here `topk` must be >= 1 (422 otherwise).
+- It runs one retriever call per HTTP request; here concurrent requests are batched into one
+  `Retriever.search` call by a single worker thread, which also keeps a non-thread-safe retriever
+  (faiss on GPU, a torch encoder) on one thread.
+
+The client (`HttpRetriever`) is a `Retriever`: the agent loop cannot tell it from an in-process one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fastapi
+import pydantic
+import requests
+import uvicorn
+from fastapi.responses import JSONResponse
+
+from a2tgpo.config import option
+from a2tgpo.retrieval.base import Hit, Retriever
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The retrieval server (`a2tgpo serve-retriever`) and the client that talks to it."""
+
+    url: str = option(
+        "http://127.0.0.1:8000/retrieve",
+        "Client: full URL of the /retrieve endpoint (ours or a Search-R1 retrieval server).",
+    )
+    timeout_s: float = option(
+        30.0, "Client: connect and read timeout of one HTTP attempt, in seconds."
+    )
+    retries: int = option(
+        3,
+        "Client: attempts in total per request (>= 1) before giving up; connection errors, "
+        "timeouts and HTTP 5xx are retried, HTTP 4xx and malformed responses are not.",
+    )
+    backoff_s: float = option(
+        0.5, "Client: sleep before the 2nd attempt, in seconds; doubled before each later one."
+    )
+    max_batch_queries: int = option(
+        512, "Client: most queries sent in one request; longer query lists go in several."
+    )
+    host: str = option(
+        "127.0.0.1",
+        "Server: address to bind. 0.0.0.0 makes it reachable from other machines, without any "
+        "authentication.",
+    )
+    port: int = option(8000, "Server: TCP port to listen on (Search-R1's default is 8000).")
+    max_batch: int = option(
+        256,
+        "Server: most queries per retriever call; concurrent requests are merged up to this. "
+        "One request larger than this is served alone, unsplit.",
+    )
+    max_wait_ms: float = option(
+        5.0,
+        "Server: after the first request of a batch arrives, how long to wait for more before "
+        "searching, in milliseconds (latency traded for larger batches).",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        for name in ("retries", "max_batch_queries", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("backoff_s", "max_wait_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 0..65535, got {self.port}")
+
+
+# --------------------------------------------------------------------------------------------
+# server
+
+
+class RetrieveRequest(pydantic.BaseModel):
+    """Search-R1's request body; unknown fields are ignored, as there."""
+
+    queries: list[str]
+    topk: int | None = pydantic.Field(default=None, ge=1)
+    return_scores: bool = False
+
+
+@dataclass
+class _Pending:
+    queries: list[str]
+    topk: int
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+class _Batcher:
+    """One worker thread that owns the retriever and serves queued requests in batches."""
+
+    def __init__(self, retriever: Retriever, max_batch: int, max_wait_s: float) -> None:
+        self._retriever = retriever
+        self._max_batch = max_batch
+        self._max_wait_s = max_wait_s
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        # Guards "stopped?" + enqueue, so nothing is queued behind the stop sentinel and lost.
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="retrieval-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("retrieval batch worker still busy after %.0f s; leaving it", timeout_s)
+
+    def submit(self, queries: list[str], topk: int) -> concurrent.futures.Future:
+        pending = _Pending(queries, topk)
+        with self._lock:
+            if self._stopped or not self.running:
+                raise RuntimeError("the retrieval batch worker is not running")
+            self._queue.put(pending)
+        return pending.future
+
+    def _run(self) -> None:
+        held: _Pending | None = None  # took it from the queue, but it did not fit the last batch
+        stopping = False
+        while True:
+            if held is not None:
+                first, held = held, None
+            elif stopping:
+                return
+            else:
+                first = self._queue.get()
+                if first is None:
+                    return
+            batch, size = [first], len(first.queries)
+            deadline = time.monotonic() + self._max_wait_s
+            while size < self._max_batch:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
+                if size + len(item.queries) > self._max_batch:
+                    held = item
+                    break
+                batch.append(item)
+                size += len(item.queries)
+            self._serve(batch)
+
+    def _serve(self, batch: list[_Pending]) -> None:
+        # Requests whose client went away were cancelled; do not search for them.
+        batch = [p for p in batch if p.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
+        queries = [q for p in batch for q in p.queries]
+        topk = max(p.topk for p in batch)
+        start = time.perf_counter()
+        try:
+            hits = self._retriever.search(queries, topk)
+            if len(hits) != len(queries):
+                raise RuntimeError(
+                    f"retriever returned {len(hits)} hit lists for {len(queries)} queries"
+                )
+        except Exception as e:
+            log.exception("retrieval batch of %d requests failed", len(batch))
+            for p in batch:
+                p.future.set_exception(e)
+            return
+        log.debug(
+            "retrieval batch: %d requests, %d queries, topk %d, %.1f ms",
+            len(batch), len(queries), topk, 1e3 * (time.perf_counter() - start),
+        )
+        offset = 0
+        for p in batch:
+            p.future.set_result([h[: p.topk] for h in hits[offset : offset + len(p.queries)]])
+            offset += len(p.queries)
+
+
+def build_app(
+    retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float
+) -> fastapi.FastAPI:
+    """The FastAPI app serving `retriever` on Search-R1's `POST /retrieve`, plus `GET /health`.
+
+    The batch worker runs while the app is served (FastAPI lifespan); the caller keeps ownership
+    of `retriever` and closes it.
+    """
+    if default_topk < 1 or max_batch < 1 or max_wait_ms < 0:
+        raise ValueError(
+            f"need default_topk >= 1, max_batch >= 1, max_wait_ms >= 0; got {default_topk}, "
+            f"{max_batch}, {max_wait_ms}"
+        )
+    batcher = _Batcher(retriever, max_batch, max_wait_ms / 1e3)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: fastapi.FastAPI):
+        batcher.start()
+        try:
+            yield
+        finally:
+            batcher.stop()
+
+    app = fastapi.FastAPI(title="a2tgpo retrieval server", lifespan=lifespan)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        if batcher.running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "batch worker not running"}, status_code=503)
+
+    @app.post("/retrieve")
+    async def retrieve(request: RetrieveRequest) -> JSONResponse:
+        if not request.queries:
+            return JSONResponse({"result": []})
+        try:
+            hits = await asyncio.wrap_future(
+                batcher.submit(request.queries, request.topk or default_topk)
+            )
+        except Exception as e:
+            return JSONResponse(
+                {"detail": f"retrieval failed: {type(e).__name__}: {e}"}, status_code=500
+            )
+        if request.return_scores:
+            result = [
+                [{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hs]
+                for hs in hits
+            ]
+        else:
+            result = [[{"id": h.id, "contents": h.contents} for h in hs] for hs in hits]
+        return JSONResponse({"result": result})
+
+    return app
+
+
+@contextlib.contextmanager
+def _absorb_signals(received: list[int]) -> Iterator[None]:
+    """Record SIGINT/SIGTERM instead of dying on them while uvicorn shuts down.
+
+    uvicorn handles both signals with a graceful shutdown, then re-raises the signal against the
+    handlers that were installed before it started. With these recording handlers in place,
+    `serve` returns normally and its caller can still close the retriever.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals can only be handled on the main thread; uvicorn skips them there too
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda sig, _frame: received.append(sig)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def serve(
+    retriever: Retriever,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    default_topk: int = 3,
+    max_batch: int = 256,
+    max_wait_ms: float = 5.0,
+    log_level: str = "info",
+) -> None:
+    """Serve `retriever` over HTTP until SIGINT/SIGTERM, then return after a graceful shutdown.
+
+    Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes).
+    """
+    app = build_app(
+        retriever, default_topk=default_topk, max_batch=max_batch, max_wait_ms=max_wait_ms
+    )
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("retrieval server binds %s: reachable from other machines, no auth", host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    received: list[int] = []
+    with _absorb_signals(received):
+        server.run()
+    if received:
+        log.info("retrieval server stopped on %s", signal.Signals(received[0]).name)
+
+
+# --------------------------------------------------------------------------------------------
+# client
+
+
+class RetrieverError(RuntimeError):
+    """The retrieval server rejected a request (HTTP 4xx) or answered in an unexpected shape."""
+
+
+class RetrieverUnavailable(RetrieverError):
+    """The retrieval server could not be reached, timed out or kept failing (HTTP 5xx)."""
+
+
+def _snippet(resp: requests.Response, limit: int = 500) -> str:
+    text = resp.text
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class HttpRetriever:
+    """`Retriever` over HTTP: ours (`a2tgpo serve-retriever`) or a Search-R1 retrieval server.
+
+    `url` is the full endpoint URL, e.g. "http://127.0.0.1:8000/retrieve". Each request is tried
+    up to `retries` times in total, sleeping `backoff_s`, then twice that, and so on, in between.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_batch_queries: int = 512,
+    ) -> None:
+        if timeout_s <= 0 or retries < 1 or backoff_s < 0 or max_batch_queries < 1:
+            raise ValueError(
+                "need timeout_s > 0, retries >= 1, backoff_s >= 0, max_batch_queries >= 1; got "
+                f"{timeout_s}, {retries}, {backoff_s}, {max_batch_queries}"
+            )
+        self.url = url
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_batch_queries = max_batch_queries
+        self._session = requests.Session()  # keeps the connection open across calls
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        out: list[list[Hit]] = []
+        for start in range(0, len(queries), self.max_batch_queries):
+            out.extend(self._request(list(queries[start : start + self.max_batch_queries]), topk))
+        return out
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _request(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        payload = {"queries": queries, "topk": topk, "return_scores": True}
+        last_error = ""
+        for attempt in range(1, self.retries + 1):
+            if attempt > 1:
+                time.sleep(self.backoff_s * 2 ** (attempt - 2))
+            try:
+                # (connect, read): a tuple so that neither phase can hang without bound.
+                resp = self._session.post(
+                    self.url, json=payload, timeout=(self.timeout_s, self.timeout_s)
+                )
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+            ) as e:
+                last_error = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code < 500:
+                    return self._parse(resp, len(queries))
+                last_error = f"HTTP {resp.status_code}: {_snippet(resp)}"
+            log.warning(
+                "retriever %s: attempt %d/%d failed: %s",
+                self.url, attempt, self.retries, last_error,
+            )
+        raise RetrieverUnavailable(
+            f"retriever at {self.url} unavailable after {self.retries} attempts "
+            f"(timeout {self.timeout_s:g} s each); last error: {last_error}. Check that "
+            f"`a2tgpo serve-retriever` or the Search-R1 retrieval server is running and "
+            f"reachable at {self.url}."
+        )
+
+    def _parse(self, resp: requests.Response, n_queries: int) -> list[list[Hit]]:
+        where = f"retriever at {self.url}"
+        if not resp.ok:
+            raise RetrieverError(
+                f"{where} rejected the request: HTTP {resp.status_code}: {_snippet(resp)}"
+            )
+        try:
+            body = resp.json()
+        except ValueError:
+            raise RetrieverError(f"{where}: response is not JSON: {_snippet(resp)}") from None
+        result = body.get("result") if isinstance(body, dict) else None
+        if not isinstance(result, list) or len(result) != n_queries:
+            got = f"{len(result)} lists" if isinstance(result, list) else _snippet(resp, 200)
+            raise RetrieverError(
+                f'{where}: expected {{"result": [...]}} with one list per query '
+                f"({n_queries}), got {got}"
+            )
+        return [self._hits(items, i) for i, items in enumerate(result)]
+
+    def _hits(self, items: Any, i: int) -> list[Hit]:
+        if not isinstance(items, list):
+            raise RetrieverError(f"retriever at {self.url}: result[{i}] is not a list: {items!r}")
+        hits = []
+        for j, item in enumerate(items):
+            doc = item.get("document") if isinstance(item, dict) else None
+            score = item.get("score") if isinstance(item, dict) else None
+            contents = doc.get("contents") if isinstance(doc, dict) else None
+            if not isinstance(contents, str) or not isinstance(score, (int, float)):
+                raise RetrieverError(
+                    f"retriever at {self.url}: result[{i}][{j}] is not "
+                    f'{{"document": {{"contents": str, ...}}, "score": number}}: {item!r:.300}'
+                )
+            # Search-R1's BM25 path returns documents without "id" (title/text/contents only).
+            hits.append(Hit(id=str(doc.get("id", "")), contents=contents, score=float(score)))
+        return hits

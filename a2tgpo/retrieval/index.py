@@ -1,0 +1,221 @@
+"""Dense index build and load: sharded corpus encoding, one faiss index from a factory string.
+
+Build (DAG stages): `encode_shard` embeds rows [start, end) of the corpus for shard i of N (one
+job each; within a job, finished chunks are kept, so a killed job resumes where it stopped),
+then `build_index` adds the shards in order to `faiss.index_factory(d, factory, IP)` (Flat by
+default, as Search-R1; IVF-PQ and HNSW selectable), checks that the index holds exactly one
+vector per corpus passage, and writes it atomically with a metadata file. Search-R1's prebuilt
+e5 Flat index can be used instead of encoding; the same count check applies.
+
+Load: the memory the index needs is estimated from its file before reading it; with faiss-gpu
+installed the index is sharded across all visible GPUs in fp16, as Search-R1's server does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from a2tgpo.config import option
+from a2tgpo.io import atomic_path, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+class IndexMismatch(ValueError):
+    """The index and the corpus disagree (vector count, dimension or encoder)."""
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """The dense index (retrieval.index)."""
+
+    factory: str = option(
+        "Flat",
+        "faiss index_factory string: Flat (exact, Search-R1's choice), HNSW32, "
+        "IVF4096,PQ64, ...; the metric is always inner product.",
+    )
+    num_shards: int = option(2, "Corpus encoding jobs (one Snakemake job per shard).")
+    chunk_size: int = option(
+        10_000, "Rows per saved chunk inside a shard job (the unit a killed job resumes from)."
+    )
+    train_size: int = option(
+        200_000, "Vectors sampled to train indexes that need it (IVF, PQ); capped at the corpus."
+    )
+    nprobe: int = option(64, "IVF lists probed per query.")
+    ef_search: int = option(128, "HNSW search depth (efSearch).")
+    prebuilt: str | None = option(
+        None, "Path to a prebuilt index (e.g. Search-R1's e5_Flat.index) to use instead of "
+        "encoding the corpus; null = build.",
+    )
+    gpu: Literal["auto", "on", "off"] = option(
+        "auto", "Shard the index over all GPUs in fp16 (needs faiss-gpu); auto = when present."
+    )
+    max_memory_fraction: float = option(
+        0.9, "Refuse to load an index estimated to need more than this fraction of free RAM."
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or self.chunk_size < 1:
+            raise ValueError("num_shards and chunk_size must be >= 1")
+
+
+def shard_range(n_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
+    """Contiguous rows of shard `shard` of `num_shards` (sizes differ by at most one)."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} not in [0, {num_shards})")
+    return n_rows * shard // num_shards, n_rows * (shard + 1) // num_shards
+
+
+def encode_shard(docs, encoder, shard: int, num_shards: int, out_path: str | Path,
+                 chunk_size: int) -> np.ndarray:
+    """Embed the shard's rows into `out_path` (.npy, float32 (rows, D)), resumably.
+
+    Finished chunks live in `<out_path>.parts/` until the whole shard is written; a rerun
+    skips them. Returns the shard's embeddings.
+    """
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    start, end = shard_range(len(docs), shard, num_shards)
+    parts = out_path.with_name(out_path.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    chunks = []
+    for k, s in enumerate(tqdm(range(start, end, chunk_size), desc=f"shard {shard}",
+                               unit="chunk")):
+        path = parts / f"chunk_{k:06d}.npy"
+        if path.exists():
+            chunks.append(np.load(path))
+            continue
+        (texts,) = docs.contents(s, min(end, s + chunk_size), chunk=chunk_size)
+        emb = encoder.encode(texts, "passage")
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, emb)
+        chunks.append(emb)
+    emb = np.concatenate(chunks) if chunks else np.zeros((0, encoder.dim), np.float32)
+    if len(emb) != end - start:
+        raise RuntimeError(f"{parts}: chunks hold {len(emb)} rows, shard needs {end - start}; "
+                           "delete the folder and rerun")
+    with atomic_path(out_path) as tmp, open(tmp, "wb") as f:
+        np.save(f, emb)
+    shutil.rmtree(parts)
+    log.info("shard %d/%d: rows [%d, %d) -> %s", shard, num_shards, start, end, out_path)
+    return emb
+
+
+def build_index(shard_paths: list[str | Path], cfg: IndexConfig, n_passages: int,
+                out_path: str | Path, meta: dict) -> dict:
+    """Add the shards in order to one faiss index; check its count; write it atomically.
+
+    `meta` (encoder, corpus) is stored next to the index as `<out_path>.json` and returned.
+    """
+    import faiss
+
+    arrays = [np.load(p, mmap_mode="r") for p in shard_paths]
+    dims = {a.shape[1] for a in arrays}
+    if len(dims) != 1:
+        raise IndexMismatch(f"shards have different dimensions {sorted(dims)}: {shard_paths}")
+    (dim,) = dims
+    index = faiss.index_factory(dim, cfg.factory, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        # a sample spread over the whole corpus, not its first rows
+        total = sum(len(a) for a in arrays)
+        rng = np.random.default_rng(0)
+        take = np.sort(rng.choice(total, size=min(cfg.train_size, total), replace=False))
+        allv = _gather(arrays, take)
+        log.info("training %s on %d vectors", cfg.factory, len(allv))
+        index.train(np.ascontiguousarray(allv, dtype=np.float32))
+    for a in arrays:
+        for s in range(0, len(a), 100_000):
+            index.add(np.ascontiguousarray(a[s: s + 100_000], dtype=np.float32))
+    check_count(index.ntotal, n_passages, out_path)
+    meta = {**meta, "factory": cfg.factory, "dim": int(dim), "ntotal": int(index.ntotal)}
+    with atomic_path(out_path) as tmp:
+        faiss.write_index(index, str(tmp))
+    atomic_write_json(meta_path(out_path), meta)
+    return meta
+
+
+def _gather(arrays, rows: np.ndarray) -> np.ndarray:
+    """Rows (global positions, sorted) from a list of memory-mapped shards."""
+    out, offset = [], 0
+    for a in arrays:
+        local = rows[(rows >= offset) & (rows < offset + len(a))] - offset
+        out.append(np.asarray(a[local]))
+        offset += len(a)
+    return np.concatenate(out)
+
+
+def meta_path(index_path: str | Path) -> Path:
+    return Path(str(index_path) + ".json")
+
+
+def check_count(ntotal: int, n_passages: int, where) -> None:
+    if ntotal != n_passages:
+        raise IndexMismatch(
+            f"{where}: the index holds {ntotal:,} vectors but the corpus has {n_passages:,} "
+            "passages; faiss ids are corpus row numbers, so every hit would return the wrong "
+            "passage. Rebuild the index from this corpus (or point to the matching corpus)."
+        )
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def load_index(path: str | Path, cfg: IndexConfig, n_passages: int):
+    """Read the index (after a memory estimate), check its count, move it to GPUs if asked."""
+    import faiss
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"index {path} not found")
+    # a faiss file holds the vectors (and graph or codes) nearly byte for byte: its size is
+    # what reading it will take in RAM
+    need = path.stat().st_size
+    free = available_memory_bytes()
+    log.info("index %s needs about %.2f GiB of RAM to load (%.2f GiB available)",
+             path, need / 2**30, free / 2**30)
+    if need > cfg.max_memory_fraction * free:
+        raise MemoryError(
+            f"{path}: loading needs about {need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB "
+            f"is available (limit {cfg.max_memory_fraction:.0%}); use a machine with more memory, "
+            "a compressed index (e.g. factory IVF4096,PQ64) or faiss-gpu sharding"
+        )
+    index = faiss.read_index(str(path))
+    check_count(index.ntotal, n_passages, path)
+    if hasattr(index, "nprobe"):
+        index.nprobe = cfg.nprobe
+    hnsw = getattr(index, "hnsw", None)
+    if hnsw is not None:
+        hnsw.efSearch = cfg.ef_search
+    ngpu = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if cfg.gpu == "on" and ngpu == 0:
+        raise RuntimeError("retrieval.index.gpu is 'on' but faiss sees no GPU "
+                           "(is faiss-gpu installed and CUDA_VISIBLE_DEVICES set?)")
+    if ngpu > 0 and cfg.gpu != "off":
+        co = faiss.GpuMultipleClonerOptions()
+        co.shard, co.useFloat16 = True, True  # 21M x 768 fp16 = 32 GB over all GPUs
+        log.info("sharding the index over %d GPUs (fp16)", ngpu)
+        index = faiss.index_cpu_to_all_gpus(index, co=co)
+    return index
+
+
+def read_meta(index_path: str | Path) -> dict:
+    p = meta_path(index_path)
+    return json.loads(p.read_text()) if p.exists() else {}

@@ -1,0 +1,443 @@
+"""HTTP retriever: Search-R1's wire format, request batching, and the client's failure handling.
+
+Every server here listens on 127.0.0.1 only: the real app under uvicorn in a thread, plus tiny
+stdlib servers that misbehave on purpose (slow, 503, malformed).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import uvicorn
+
+from a2tgpo.config import ConfigError, from_dict
+from a2tgpo.retrieval.base import Hit
+from a2tgpo.retrieval.http import (
+    HttpConfig,
+    HttpRetriever,
+    RetrieverError,
+    RetrieverUnavailable,
+    build_app,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeRetriever:
+    """Deterministic hits derived from the query text; records every call; "boom" raises."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], int]] = []
+        self.delay_s = 0.0
+        self._lock = threading.Lock()
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        with self._lock:
+            self.calls.append((list(queries), topk))
+        time.sleep(self.delay_s)
+        if "boom" in queries:
+            raise RuntimeError("index exploded")
+        return [expected_hits(q, topk) for q in queries]
+
+    def close(self) -> None:
+        pass
+
+
+def expected_hits(query: str, topk: int) -> list[Hit]:
+    return [Hit(f"{query}#{r}", f'"{query}"\npassage {r}', 1.0 / (r + 1)) for r in range(topk)]
+
+
+def _serve_in_thread(app):
+    """Run `app` under uvicorn on an ephemeral 127.0.0.1 port; return (server, thread, url)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start within 10 s"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One real server for the module: default topk 3, batches of at most 8 queries."""
+    fake = FakeRetriever()
+    app = build_app(fake, default_topk=3, max_batch=8, max_wait_ms=20.0)
+    server, thread, base = _serve_in_thread(app)
+    yield fake, base
+    server.should_exit = True
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def fake(served):
+    fake, _ = served
+    fake.calls.clear()
+    fake.delay_s = 0.0
+    return fake
+
+
+@pytest.fixture
+def base(served, fake):
+    return served[1]
+
+
+# --------------------------------------------------------------------------------------------
+# server: wire format
+
+
+def test_health(base):
+    assert requests.get(f"{base}/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_response_shape_with_scores(base):
+    body = {"queries": ["a", "b"], "topk": 2, "return_scores": True}
+    r = requests.post(f"{base}/retrieve", json=body, timeout=5)
+    assert r.status_code == 200
+    assert r.json() == {
+        "result": [
+            [
+                {"document": {"id": "a#0", "contents": '"a"\npassage 0'}, "score": 1.0},
+                {"document": {"id": "a#1", "contents": '"a"\npassage 1'}, "score": 0.5},
+            ],
+            [
+                {"document": {"id": "b#0", "contents": '"b"\npassage 0'}, "score": 1.0},
+                {"document": {"id": "b#1", "contents": '"b"\npassage 1'}, "score": 0.5},
+            ],
+        ]
+    }
+
+
+def test_response_shape_without_scores_and_default_topk(base, fake):
+    # Search-R1's defaults: topk absent -> the server's default (3), return_scores false.
+    r = requests.post(f"{base}/retrieve", json={"queries": ["q"]}, timeout=5)
+    assert r.status_code == 200
+    assert r.json() == {
+        "result": [[{"id": f"q#{i}", "contents": f'"q"\npassage {i}'} for i in range(3)]]
+    }
+    r = requests.post(f"{base}/retrieve", json={"queries": ["q"], "topk": None}, timeout=5)
+    assert len(r.json()["result"][0]) == 3
+    assert [topk for _, topk in fake.calls] == [3, 3]
+
+
+def test_empty_queries_give_empty_result_without_search(base, fake):
+    r = requests.post(f"{base}/retrieve", json={"queries": [], "topk": 2}, timeout=5)
+    assert r.status_code == 200 and r.json() == {"result": []}
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"queries": ["a"], "topk": 0}, "topk"),
+        ({"queries": "a"}, "queries"),
+        ({"topk": 2}, "queries"),
+        ({"queries": [1, 2]}, "queries"),
+    ],
+)
+def test_bad_request_is_422_naming_the_field(base, fake, body, field):
+    r = requests.post(f"{base}/retrieve", json=body, timeout=5)
+    assert r.status_code == 422
+    assert any(field in err["loc"] for err in r.json()["detail"]), r.json()
+    assert fake.calls == []
+
+
+# --------------------------------------------------------------------------------------------
+# server: batching
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_slice(base, fake):
+    # The slow retriever makes requests pile up while a batch is being searched.
+    fake.delay_s = 0.05
+    n = 16
+    barrier = threading.Barrier(n)
+    results: dict[int, object] = {}
+
+    def one(i: int) -> None:
+        barrier.wait()
+        topk = 1 + i % 3
+        r = requests.post(
+            f"{base}/retrieve",
+            json={"queries": [f"q{i}"], "topk": topk, "return_scores": True},
+            timeout=10,
+        )
+        results[i] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+
+    for i in range(n):
+        status, body = results[i]
+        assert status == 200
+        want = [
+            {"document": {"id": h.id, "contents": h.contents}, "score": h.score}
+            for h in expected_hits(f"q{i}", 1 + i % 3)
+        ]
+        assert body == {"result": [want]}
+    seen = [q for queries, _ in fake.calls for q in queries]
+    assert sorted(seen) == sorted(f"q{i}" for i in range(n))  # every query searched once
+    assert len(fake.calls) < n  # batched
+    assert all(len(queries) <= 8 for queries, _ in fake.calls)  # max_batch honoured
+    for queries, topk in fake.calls:  # one search per batch, with the batch's largest topk
+        assert topk == max(1 + int(q[1:]) % 3 for q in queries)
+
+
+def test_retriever_error_fails_its_batch_with_500_then_server_keeps_serving(base, fake):
+    r = requests.post(f"{base}/retrieve", json={"queries": ["boom"]}, timeout=5)
+    assert r.status_code == 500
+    assert "index exploded" in r.json()["detail"]
+    r = requests.post(f"{base}/retrieve", json={"queries": ["fine"], "topk": 1}, timeout=5)
+    assert r.status_code == 200
+    assert r.json()["result"][0][0]["id"] == "fine#0"
+
+
+# --------------------------------------------------------------------------------------------
+# client against the real server
+
+
+def test_client_round_trip_and_chunking(base, fake):
+    client = HttpRetriever(f"{base}/retrieve", max_batch_queries=4)
+    queries = [f"x{i}" for i in range(10)]
+    try:
+        hits = client.search(queries, topk=2)
+        assert client.search([], topk=2) == []
+    finally:
+        client.close()
+    assert hits == [expected_hits(q, 2) for q in queries]
+    # Sent sequentially in chunks of <= 4, so the server sees exactly these three searches.
+    assert [len(q) for q, _ in fake.calls] == [4, 4, 2]
+    assert [q for batch, _ in fake.calls for q in batch] == queries
+
+
+# --------------------------------------------------------------------------------------------
+# client failure handling, against stdlib servers that misbehave on purpose
+
+
+class Scripted:
+    """A 127.0.0.1 http.server answering POSTs from a script of (status, body) or "sleep"."""
+
+    def __init__(self, script: list, sleep_s: float = 0.0) -> None:
+        self.script = list(script)
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.requests += 1
+                step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                if step == "sleep":
+                    time.sleep(sleep_s)
+                    step = (200, {"result": [[]]})
+                status, body = step
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and hung up, as intended
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/retrieve"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    def __enter__(self) -> Scripted:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _attempt_warnings(caplog) -> int:
+    return sum("attempt" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_nothing_listening_raises_unavailable_after_exactly_retries_attempts(caplog):
+    # A bound but not listening socket: connections are refused, and no one else can take it.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/retrieve"
+        client = HttpRetriever(url, timeout_s=2.0, retries=3, backoff_s=0.05)
+        caplog.set_level(logging.WARNING, logger="a2tgpo.retrieval.http")
+        start = time.monotonic()
+        with pytest.raises(RetrieverUnavailable) as err:
+            client.search(["q"], topk=1)
+        elapsed = time.monotonic() - start
+    msg = str(err.value)
+    assert url in msg and "3 attempts" in msg and "serve-retriever" in msg
+    assert "ConnectionError" in msg
+    assert _attempt_warnings(caplog) == 3
+    assert 0.15 <= elapsed < 2.0  # backoff 0.05 s then 0.1 s, and no connect hangs
+
+
+def test_slow_server_times_out_then_clear_error_in_bounded_time(caplog):
+    caplog.set_level(logging.WARNING, logger="a2tgpo.retrieval.http")
+    with Scripted(["sleep"], sleep_s=1.0) as srv:
+        client = HttpRetriever(srv.url, timeout_s=0.2, retries=2, backoff_s=0.01)
+        start = time.monotonic()
+        with pytest.raises(RetrieverUnavailable) as err:
+            client.search(["q"], topk=1)
+        elapsed = time.monotonic() - start
+        assert srv.requests == 2
+    assert "Timeout" in str(err.value) and "timeout 0.2 s" in str(err.value)
+    assert _attempt_warnings(caplog) == 2
+    assert 0.4 <= elapsed < 1.5
+
+
+def test_503_then_200_succeeds_on_retry():
+    ok = {"result": [[{"document": {"id": "7", "contents": "c"}, "score": 0.25}]]}
+    with Scripted([(503, {"detail": "warming up"}), (200, ok)]) as srv:
+        client = HttpRetriever(srv.url, retries=3, backoff_s=0.01)
+        assert client.search(["q"], topk=1) == [[Hit("7", "c", 0.25)]]
+        assert srv.requests == 2
+
+
+def test_500_every_time_names_the_status_and_detail():
+    with Scripted([(500, {"detail": "gpu on fire"})]) as srv:
+        client = HttpRetriever(srv.url, retries=2, backoff_s=0.01)
+        with pytest.raises(RetrieverUnavailable, match="HTTP 500.*gpu on fire"):
+            client.search(["q"], topk=1)
+        assert srv.requests == 2
+
+
+def test_4xx_is_not_retried():
+    with Scripted([(422, {"detail": "bad topk"})]) as srv:
+        client = HttpRetriever(srv.url, retries=3, backoff_s=0.01)
+        with pytest.raises(RetrieverError, match="HTTP 422.*bad topk") as err:
+            client.search(["q"], topk=1)
+        assert not isinstance(err.value, RetrieverUnavailable)
+        assert srv.requests == 1
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"result": [[], []]}, r"one list per query \(1\), got 2 lists"),
+        ({"results": [[]]}, "one list per query"),
+        ("not json", "not JSON"),
+        ({"result": [{"id": "1"}]}, r"result\[0\] is not a list"),
+        ({"result": [[{"id": "1", "contents": "c"}]]}, r"result\[0\]\[0\] is not"),
+    ],
+)
+def test_malformed_response_is_a_clear_error(body, match):
+    with Scripted([(200, body)]) as srv:
+        with pytest.raises(RetrieverError, match=match):
+            HttpRetriever(srv.url, retries=3).search(["q"], topk=1)
+        assert srv.requests == 1
+
+
+def test_search_r1_documents_extra_fields_and_missing_id_are_tolerated():
+    # Search-R1's BM25 path yields {"title", "text", "contents"} with no id; scores may be ints.
+    body = {
+        "result": [
+            [
+                {"document": {"title": "T", "text": "x", "contents": '"T"\nx'}, "score": 3},
+                {"document": {"id": 12, "contents": "c", "extra": 1}, "score": 0.5, "rank": 2},
+            ]
+        ],
+        "took_ms": 3,
+    }
+    with Scripted([(200, body)]) as srv:
+        hits = HttpRetriever(srv.url).search(["q"], topk=2)
+    assert hits == [[Hit("", '"T"\nx', 3.0), Hit("12", "c", 0.5)]]
+    assert hits[0][0].title == "T"
+
+
+# --------------------------------------------------------------------------------------------
+# config and serve()
+
+
+def test_http_config_defaults_and_validation():
+    cfg = from_dict(HttpConfig, {})
+    assert (cfg.url, cfg.host, cfg.port) == ("http://127.0.0.1:8000/retrieve", "127.0.0.1", 8000)
+    assert (cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_queries) == (256, 5.0, 512)
+    with pytest.raises(ConfigError, match="retries"):
+        from_dict(HttpConfig, {"retries": 0})
+    with pytest.raises(ConfigError, match="url"):
+        from_dict(HttpConfig, {"url": "127.0.0.1:8000/retrieve"})
+
+
+SERVE_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    from a2tgpo.retrieval.base import Hit
+    from a2tgpo.retrieval.http import serve
+
+    class One:
+        def search(self, queries, topk):
+            return [[Hit("1", q, 1.0)] for q in queries]
+        def close(self):
+            pass
+
+    logging.basicConfig(level=logging.INFO)
+    serve(One(), port=int(sys.argv[1]), log_level="info")
+    print("serve returned", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_shuts_down_cleanly_on_signal(sig):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SCRIPT, str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up within 20 s"
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "serve returned" in out
+    assert f"stopped on {signal.Signals(sig).name}" in out

@@ -1,0 +1,74 @@
+# Dense index: encode the corpus in shards (one job each, resumable), build one faiss index,
+# or check a prebuilt one; measure first-hop recall on the toy world.
+
+RET = STUDY.retrieval
+NSHARDS = RET.index.num_shards
+
+
+def index_file():
+    """The faiss index retrievers load: prebuilt (checked by rule check_index) or built here."""
+    return RET.index.prebuilt or f"{R}/index/dense.faiss"
+
+
+rule encode_shard:
+    input:
+        cfg=f"{R}/configs/retrieval.yaml",
+        corpus=corpus_file(),
+    output:
+        f"{R}/index/emb/shard-{{shard}}-of-{NSHARDS}.npy",
+    log:
+        f"{R}/logs/encode_shard-{{shard}}.log",
+    resources:
+        # the encoder runs on a GPU when one is there (the local profile caps gpu at 0)
+        gpu=0 if RET.encoder.device == "cpu" else 1,
+        runtime=720,
+    shell:
+        "a2tgpo encode-corpus {input.cfg} --corpus {input.corpus} --shard {wildcards.shard} "
+        "--out {output} > {log} 2>&1"
+
+
+rule build_index:
+    input:
+        cfg=f"{R}/configs/retrieval.yaml",
+        corpus=corpus_file(),
+        shards=[f"{R}/index/emb/shard-{i}-of-{NSHARDS}.npy" for i in range(NSHARDS)],
+    output:
+        index=f"{R}/index/dense.faiss",
+        meta=f"{R}/index/dense.faiss.json",
+    log:
+        f"{R}/logs/build_index.log",
+    resources:
+        runtime=720,
+    shell:
+        "a2tgpo build-index {input.cfg} --corpus {input.corpus} --shards {input.shards} "
+        "--out {output.index} > {log} 2>&1"
+
+
+rule check_index:
+    """A prebuilt index (e.g. Search-R1's e5_Flat.index) must hold one vector per passage."""
+    input:
+        cfg=f"{R}/configs/retrieval.yaml",
+        corpus=corpus_file(),
+        index=index_file(),
+    output:
+        f"{R}/index/check.json",
+    log:
+        f"{R}/logs/check_index.log",
+    shell:
+        "a2tgpo check-index {input.cfg} --corpus {input.corpus} --index {input.index} "
+        "--out {output} > {log} 2>&1"
+
+
+rule retrieval_eval:
+    input:
+        cfg=f"{R}/configs/retrieval.yaml",
+        corpus=corpus_file(),
+        index=index_file(),
+        world=f"{R}/world/summary.json",
+    output:
+        f"{R}/retrieval/recall.json",
+    log:
+        f"{R}/logs/retrieval_eval.log",
+    shell:
+        "a2tgpo retrieval-eval {input.cfg} --corpus {input.corpus} --index {input.index} "
+        "--world {R}/world --out {output} > {log} 2>&1"
