@@ -415,9 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from a2tgpo.retrieval.http import RetrieverError
     from a2tgpo.retrieval.index import IndexMismatch
 
-    return (IndexMismatch,)
+    return (IndexMismatch, RetrieverError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"a2tgpo {args.command}: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, MemoryError, _user_errors()) as e:
+    except (FileNotFoundError, MemoryError, *_user_errors()) as e:
         # problems of the inputs, not of the code: a message, not a traceback
         print(f"a2tgpo {args.command}: error: {e}", file=sys.stderr)
         return 1
