@@ -200,6 +200,22 @@ def cmd_retrieval_eval(args) -> int:
     return 0
 
 
+def cmd_methods(args) -> int:
+    from a2tgpo.algo.methods import METHODS, get_method, render_method_yaml, write_method_files
+
+    if args.write:
+        for path in write_method_files(args.write):
+            print(path)
+        return 0
+    if args.show:
+        print(render_method_yaml(get_method(args.show)), end="")
+        return 0
+    for m in METHODS.values():
+        print(f"{m.id:<24} {m.name:<26} advantage={m.advantage.estimator:<12} "
+              f"ratio={m.loss.ratio_level:<8} rollout={m.rollout.shape}")
+    return 0
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -377,6 +393,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
     p.add_argument("--out", required=True, help="output JSON report")
     p.set_defaults(func=cmd_retrieval_eval)
+
+    p = sub.add_parser(
+        "methods",
+        help="list the method table, show one method, or write config/methods/*.yaml",
+        description="Every method id (baselines, A2TGPO, AT2PO and their ablation cells) with "
+        "its advantage estimator, ratio level and rollout shape. --show ID prints its settings "
+        "with the source of each value; --write DIR regenerates the method files.",
+        formatter_class=fmt,
+    )
+    p.add_argument("--show", metavar="ID", help="print one method's settings")
+    p.add_argument("--write", metavar="DIR", help="write <DIR>/<id>.yaml for every method")
+    p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser(
         "check-config",

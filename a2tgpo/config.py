@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-import yaml
-
 from a2tgpo.io import atomic_write_text
 
+# yaml is imported where files are read or written: declaring configs (a2tgpo.algo.methods)
+# needs the standard library only
+
 T = TypeVar("T")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 _MISSING = dataclasses.MISSING
 
@@ -98,6 +101,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        # YAML 1.1 (PyYAML) reads 1e-6 (no dot) as a string; accept it where a float is due
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)
         raise _fail(source, path, f"expected float, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -154,6 +160,8 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], yaml-parsed value)."""
+    import yaml
+
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r}: expected dotted.key=value")
@@ -182,6 +190,8 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
+    import yaml
+
     path = Path(path)
     try:
         text = path.read_text()
@@ -229,6 +239,8 @@ def to_dict(obj: Any) -> Any:
 
 
 def dump_yaml(data: Any) -> str:
+    import yaml
+
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 

@@ -131,3 +131,14 @@ def test_post_init_errors_become_config_errors():
 
     with pytest.raises(ConfigError, match="cities must be >= countries"):
         from_dict(WorldConfig, {"countries": 5, "cities": 3}, source="w.yaml", path="world")
+
+
+def test_yaml11_exponent_floats_are_accepted(tmp_path):
+    # PyYAML reads `1e-6` (no dot) as a string; float keys accept it, int keys do not
+    p = write(tmp_path, "name: a\ninner: {lr: 1e-6}\nbetas: [3e-3, '4E-3']\n")
+    cfg = load_config(Outer, p)
+    assert cfg.inner.lr == 1e-6 and cfg.betas == (3e-3, 4e-3)
+    with pytest.raises(ConfigError, match="steps: expected int"):
+        load_config(Outer, write(tmp_path, "name: a\nsteps: 1e3\n"))
+    with pytest.raises(ConfigError, match="inner.lr: expected float"):
+        load_config(Outer, write(tmp_path, "name: a\ninner: {lr: 1e-6x}\n"))
