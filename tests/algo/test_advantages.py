@@ -401,3 +401,19 @@ def test_gigpo_vs_naive_random():
                       for j in range(T[c]) if anchors[c][j] == anchors[b][k]]
                 a_s = 0.0 if len(cl) <= 1 else z(cl, ret(b, k))
                 assert abs(adv[b, k].item() - (ae + a_s)) < 1e-9
+
+
+def test_group_index_and_segment_stats_by_hand():
+    from a2tgpo.algo.advantages import group_index, segment_stats
+
+    inv, G = group_index(["b", "a", "b", "c"])  # first-appearance order: b=0, a=1, c=2
+    assert inv.tolist() == [0, 1, 0, 2] and G == 3
+    inv_t, G_t = group_index(torch.tensor([7, 3, 7]))  # tensors: sorted unique values
+    assert inv_t.tolist() == [1, 0, 1] and G_t == 2
+    x = t([1.0, 5.0, 3.0, 4.0])
+    # segment 0 = {1, 3}: mean 2, population std 1, unbiased std sqrt(2); others are singletons
+    mean, std, count = segment_stats(x, inv, G, unbiased=False)
+    assert mean.tolist() == [2.0, 5.0, 2.0, 4.0] and count.tolist() == [2, 1, 2, 1]
+    assert std.tolist() == [1.0, 0.0, 1.0, 0.0]
+    _, std_u, _ = segment_stats(x, inv, G, unbiased=True)
+    assert abs(std_u[0].item() - math.sqrt(2)) < 1e-12 and math.isnan(std_u[1].item())

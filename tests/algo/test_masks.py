@@ -98,3 +98,14 @@ def test_split_into_micro_batches_and_ranks_is_exact(mode, seed):
     (g_split,) = torch.autograd.grad(total, x)
     torch.testing.assert_close(total, full, atol=1e-12, rtol=0)
     torch.testing.assert_close(g_split, g_full, atol=1e-12, rtol=0)
+
+
+def test_turn_sum_count_and_local_denominators_by_hand():
+    from a2tgpo.algo.masks import turn_sum_count
+
+    v = torch.ones(2, 7, dtype=D)
+    s, c = turn_sum_count(v, TURN_ID, 2)
+    # row 0: two tokens in each turn; row 1: three tokens in turn 0, none in turn 1
+    assert s.tolist() == [[2, 2], [3, 0]] and c.tolist() == [[2, 2], [3, 0]]
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 0]])
+    assert local_denominators(mask) == (3.0, 2.0)  # the empty row is not a sequence
