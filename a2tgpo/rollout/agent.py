@@ -1,0 +1,234 @@
+"""The search agent loop: token-in/token-out, in waves, with one batched search per wave.
+
+Each wave, every active trajectory generates one turn, until `</search>`, `</answer>` or an
+end-of-sequence token (algorithms.md §10.3). The queries of all trajectories that searched are
+sent to the retriever in one call; each result is formatted for the prompt style, tokenised on
+its own and appended as observation ids (loss mask 0), truncated to a token budget. Nothing
+sampled is ever decoded and re-encoded: decoding is used only to read the query and the answer.
+
+Limits, as the papers' rollouts apply them:
+  * tool calls: `max_tool_calls` (6); a further call either ends the episode (A2TGPO: the
+    trajectory has no answer, so its reward is -1) or inserts AT2PO's warning and continues;
+  * total length: prompt + response with observations (`max_response_tokens` counts every
+    response token, sampled or not); reaching it ends the episode ("length");
+  * per turn: `max_turn_tokens` sampled tokens ("max_tokens").
+An action that ends on none of the protocol's markers is "invalid" (A2TGPO ends the episode;
+Search-R1 inserts its "invalid action" message and lets the model try again).
+
+Within a wave, the engine does the batching: the hf engine drops finished rows from its batch,
+vLLM refills freed slots by continuous batching, so short turns never wait for long ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from a2tgpo.config import option
+from a2tgpo.retrieval.base import Retriever
+from a2tgpo.retrieval.retriever import format_passages
+from a2tgpo.rollout import prompts
+from a2tgpo.rollout.engine import Engine, SamplingParams
+from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
+
+log = logging.getLogger(__name__)
+
+_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+CALL_LIMIT_WARNING = (
+    " I have reached the tool call limit, so I cannot search anymore. I should provide the "
+    "final answer based on the information I have.\n"
+)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The rollout loop's limits and sampling (rollout section)."""
+
+    prompt_style: prompts.PromptStyle = option(
+        "a2tgpo", "a2tgpo = A2TGPO/AT2PO system prompt, <result>, \\boxed{}; search_r1 = "
+        "Search-R1's user prompt and <information>.")
+    temperature: float = option(1.0, "Sampling temperature (A2TGPO App. B: 1.0).")
+    top_p: float = option(1.0, "Nucleus sampling mass (1.0 = off).")
+    max_turn_tokens: int = option(500, "Sampled tokens per turn (Search-R1: 500).")
+    max_response_tokens: int = option(
+        6192, "Total response tokens, observations included (A2TGPO App. B: 6192).")
+    max_obs_tokens: int = option(500, "Observation body tokens kept per search (Search-R1: 500).")
+    max_tool_calls: int = option(6, "Tool calls per trajectory (A2TGPO/AT2PO: 6).")
+    at_call_limit: Literal["stop", "warn"] = option(
+        "stop", "stop = end the episode (A2TGPO); warn = insert AT2PO's warning and continue.")
+    on_invalid: Literal["stop", "retry"] = option(
+        "stop", "stop = end the episode (A2TGPO); retry = Search-R1's invalid-action message.")
+    topk: int = option(3, "Passages per search (the papers: 3).")
+    max_passage_chars: int = option(1000, "A2TGPO style: characters kept per passage.")
+
+    def __post_init__(self) -> None:
+        if min(self.max_turn_tokens, self.max_response_tokens, self.max_obs_tokens,
+               self.topk) < 1 or self.max_tool_calls < 0:
+            raise ValueError("token limits and topk must be >= 1, max_tool_calls >= 0")
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question to roll out (a row of the prepared data)."""
+
+    id: str
+    question: str
+    golden_answers: tuple[str, ...]
+
+
+def prompt_ids(tokenizer, question: str, style: prompts.PromptStyle,
+               chat_kwargs: dict | None = None) -> list[int]:
+    """The question in the prompt template, through the backbone's chat template, as ids."""
+    text = tokenizer.apply_chat_template(prompts.build_messages(question, style),
+                                         add_generation_prompt=True, tokenize=False,
+                                         **(chat_kwargs or {}))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def extract_query(text: str) -> str | None:
+    """The content of the last <search>…</search> (algorithms.md §10.3), stripped."""
+    found = _SEARCH.findall(text)
+    return found[-1].strip() if found else None
+
+
+class SearchTool:
+    """Retriever + formatting + tokenisation of observations for one prompt style."""
+
+    def __init__(self, retriever: Retriever, tokenizer, cfg: AgentConfig):
+        self.retriever, self.tokenizer, self.cfg = retriever, tokenizer, cfg
+        style = cfg.prompt_style
+        head, tail = ((" <result>\n", "\n</result>") if style == "a2tgpo"
+                      else ("\n\n<information>", "</information>\n\n"))
+        self.head = self._ids(head)
+        self.tail = self._ids(tail)
+        self.calls = 0
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def observe(self, queries: list[str]) -> list[list[int]]:
+        """Observation ids for each query (one batched retriever call)."""
+        if not queries:
+            return []
+        self.calls += 1
+        hits = self.retriever.search(queries, self.cfg.topk)
+        out = []
+        for h in hits:
+            body = self._ids(format_passages(h, self.cfg.prompt_style, self.cfg.max_passage_chars))
+            # the budget cuts the passages, never the closing tag
+            out.append(self.head + body[: self.cfg.max_obs_tokens] + self.tail)
+        return out
+
+    def text_ids(self, text: str) -> list[int]:
+        return self._ids(text)
+
+
+def _seed(base: int, traj: int, turn: int) -> int:
+    # distinct and reproducible per (rollout call, trajectory, turn)
+    return (base * 1_000_003 + traj * 1009 + turn) % (2**31 - 1)
+
+
+def _classify(g, n_ids: int, room: int) -> str:
+    """Why a turn ended, from the engine's stop and the length budget."""
+    if n_ids >= room:
+        return "length"
+    if g.stop_string == "</answer>":
+        return "answer"
+    if g.stop_string == "</search>":
+        return "search"
+    if g.stop_reason == "eos":
+        return "eos"
+    return "max_tokens" if g.stop_reason == "length" else "invalid"
+
+
+def continue_rollouts(builders: list[TrajectoryBuilder], engine: Engine, tool: SearchTool,
+                      cfg: AgentConfig, *, seed: int, greedy: bool = False,
+                      traj_offset: int = 0) -> list[TrajectoryBuilder]:
+    """Run every builder to the end of its episode, in waves; returns the same builders.
+
+    A trajectory goes on exactly while its last turn has an observation (a search result, the
+    call-limit warning, Search-R1's invalid-action message). Builders may already hold turns
+    (a tree branch starts from a node's prefix); `add_turn`'s invariant check guarantees that
+    the shared prefix keeps its exact ids.
+    """
+    live = [is_live(b, cfg) for b in builders]
+    while any(live):
+        live = rollout_wave(builders, live, engine, tool, cfg, seed=seed, greedy=greedy,
+                            traj_offset=traj_offset)
+    return builders
+
+
+def is_live(b: TrajectoryBuilder, cfg: AgentConfig) -> bool:
+    """Whether the trajectory goes on: no turn yet, or an observation to react to, and room."""
+    room = len(b) < len(b.prompt_ids) + cfg.max_response_tokens
+    return room and (not b.turns or bool(b.turns[-1].obs_ids))
+
+
+def rollout_wave(builders: list[TrajectoryBuilder], live: list[bool], engine: Engine,
+                 tool: SearchTool, cfg: AgentConfig, *, seed: int, greedy: bool = False,
+                 traj_offset: int = 0) -> list[bool]:
+    """One wave: every live builder generates one turn; the wave's searches go to the
+    retriever in one call. Returns which builders are still live."""
+    live = list(live)
+    limit = {id(b): len(b.prompt_ids) + cfg.max_response_tokens for b in builders}
+    stops = ("</search>", "</answer>")
+    if any(live):
+        active = [i for i, lv in enumerate(live) if lv]
+        inputs = [builders[i].ids for i in active]
+        room = [limit[id(builders[i])] - len(builders[i]) for i in active]
+        params = SamplingParams(max_tokens=min(cfg.max_turn_tokens, max(room)),
+                                temperature=cfg.temperature, top_p=cfg.top_p, stop=stops,
+                                greedy=greedy)
+        gens = engine.generate(inputs, params, seeds=[
+            _seed(seed, traj_offset + i, len(builders[i].turns)) for i in active])
+        searches: list[tuple[int, Turn, list[int]]] = []  # (index, turn, engine input)
+        for i, g, engine_input, r in zip(active, gens, inputs, room):
+            b = builders[i]
+            # the total-length limit keeps a prefix of what was sampled, never other ids
+            ids, lps = list(g.token_ids)[:r], list(g.logprobs)[:r]
+            stop = _classify(g, len(ids), r)
+            text = tool.tokenizer.decode(ids, skip_special_tokens=True)
+            query, obs = None, []
+            if stop == "search":
+                query = extract_query(text)
+                calls = sum(1 for t in b.turns if t.stop == "search")
+                if not query:
+                    stop = "invalid"
+                elif calls >= cfg.max_tool_calls:
+                    stop = "call_limit"
+                    if cfg.at_call_limit == "warn":
+                        obs = tool.text_ids(CALL_LIMIT_WARNING)
+            if stop in ("invalid", "max_tokens") and cfg.on_invalid == "retry":
+                obs = tool.text_ids(prompts.SEARCH_R1_INVALID)
+            entropy = -sum(lps) / len(lps)
+            turn = Turn(tuple(ids), tuple(lps), tuple(obs[: max(0, r - len(ids))]), stop,
+                        query, entropy)
+            if stop == "search":
+                searches.append((i, turn, engine_input))
+                continue
+            b.add_turn(turn, engine_input)
+            live[i] = bool(turn.obs_ids) and len(b) < limit[id(b)]
+        results = tool.observe([t.query for _, t, _ in searches])
+        for (i, turn, engine_input), obs in zip(searches, results):
+            b = builders[i]
+            room_left = limit[id(b)] - len(b) - len(turn.action_ids)
+            b.add_turn(Turn(turn.action_ids, turn.action_logprobs, tuple(obs[:room_left]),
+                            "search", turn.query, turn.entropy), engine_input)
+            live[i] = len(b) < limit[id(b)]
+    return live
+
+
+def rollout_chains(questions: Sequence[Question], n: int, engine: Engine, tool: SearchTool,
+                   cfg: AgentConfig, *, seed: int, greedy: bool = False,
+                   chat_kwargs: dict | None = None) -> list[Trajectory]:
+    """`n` independent trajectories per question (group id = question id), in question order."""
+    builders = []
+    for q in questions:
+        ids = prompt_ids(tool.tokenizer, q.question, cfg.prompt_style, chat_kwargs)
+        builders += [TrajectoryBuilder(ids, question_id=q.id, group_id=q.id,
+                                       golden_answers=q.golden_answers) for _ in range(n)]
+    continue_rollouts(builders, engine, tool, cfg, seed=seed, greedy=greedy)
+    return [b.build() for b in builders]

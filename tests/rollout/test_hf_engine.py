@@ -1,0 +1,104 @@
+"""The hf engine on the toy backbone: determinism, stop strings, limits, logprobs."""
+
+import pytest
+import torch
+
+from a2tgpo.rollout.engine import SamplingParams
+from a2tgpo.rollout.hf_engine import HfEngine
+
+
+@pytest.fixture(scope="module")
+def model_tok(toy_dir):
+    from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
+
+    cfg = BackboneConfig(id="toy", path=str(toy_dir / "backbone"), dtype="float32")
+    return load_model(cfg), load_tokenizer(cfg)
+
+
+@pytest.fixture(scope="module")
+def engine(model_tok):
+    return HfEngine(*model_tok)
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+
+
+def test_same_seed_same_ids_other_seed_differs(engine):
+    p = SamplingParams(max_tokens=30)
+    a = engine.generate(PROMPTS, p, seeds=[1, 2, 3])
+    b = engine.generate(PROMPTS, p, seeds=[1, 2, 3])
+    c = engine.generate(PROMPTS, p, seeds=[4, 5, 6])
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+    for g in a:
+        assert len(g.token_ids) == len(g.logprobs) == len(g.entropies) >= 1
+
+
+def test_max_tokens_and_eos(engine):
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=7), seeds=[1, 2, 3])
+    for g in out:
+        assert len(g.token_ids) <= 7
+        assert g.stop_reason == "length" if len(g.token_ids) == 7 and \
+            g.token_ids[-1] not in engine.eos else g.stop_reason == "eos"
+
+
+def test_greedy_and_logprobs_match_a_plain_forward(engine, model_tok):
+    model, _ = model_tok
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, greedy=True))
+    for p, g in zip(PROMPTS, out):
+        ids = torch.tensor([p + list(g.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        n = len(p)
+        for j, tok in enumerate(g.token_ids):
+            row = logp[n - 1 + j]
+            assert tok == int(row.argmax())  # greedy = argmax of the uncached forward
+            assert abs(g.logprobs[j] - float(row[tok])) < 1e-4  # raw logprob of that token
+
+
+def test_stop_string_is_honoured_and_kept(engine, model_tok):
+    _, tok = model_tok
+    first = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=40), seeds=[3])[0]
+    # stop on the text of a token the model emits at position 5 of an unconstrained sample
+    word = tok.decode([first.token_ids[5]])
+    assert word.strip(), "pick a visible token"
+    g = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=40, stop=(word,)), seeds=[3])[0]
+    text = tok.decode(list(g.token_ids))
+    assert g.stop_reason == "stop" and g.stop_string == word
+    assert word in text and word not in tok.decode(list(g.token_ids[:-1]))
+    assert g.token_ids == first.token_ids[: len(g.token_ids)]  # the same sample, cut there
+
+
+def test_finished_rows_leave_the_batch_without_disturbing_others(model_tok):
+    model, tok = model_tok
+    # make a frequent token an extra end-of-sequence so rows finish at different steps
+    probe = HfEngine(model, tok).generate(PROMPTS, SamplingParams(max_tokens=20), seeds=[7, 8, 9])
+    stopper = probe[1].token_ids[2]
+    eng = HfEngine(model, tok, eos_token_ids=[stopper, tok.eos_token_id])
+    together = eng.generate(PROMPTS, SamplingParams(max_tokens=20), seeds=[7, 8, 9])
+    assert together[1].stop_reason == "eos" and len(together[1].token_ids) <= 3
+    for i, p in enumerate(PROMPTS):
+        alone = eng.generate([p], SamplingParams(max_tokens=20), seeds=[7 + i])[0]
+        assert alone.token_ids == together[i].token_ids
+
+
+def test_update_weights(model_tok):
+    import copy
+
+    model, tok = model_tok
+    clone = copy.deepcopy(model)
+    eng = HfEngine(clone, tok)
+    before = eng.generate(PROMPTS[:1], SamplingParams(max_tokens=10, greedy=True))[0]
+    sd = {k: v * 1.5 for k, v in model.state_dict().items()}
+    eng.update_weights(sd)
+    after = eng.generate(PROMPTS[:1], SamplingParams(max_tokens=10, greedy=True))[0]
+    ref = HfEngine(model, tok)
+    model.load_state_dict(sd)
+    try:
+        assert after.token_ids == ref.generate(PROMPTS[:1],
+                                               SamplingParams(max_tokens=10, greedy=True))[0].token_ids
+        assert after.token_ids != before.token_ids
+    finally:
+        model.load_state_dict({k: v / 1.5 for k, v in sd.items()})
+    with pytest.raises(ValueError, match="unexpected"):
+        eng.update_weights({"nope": torch.zeros(1)})
