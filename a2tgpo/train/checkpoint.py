@@ -1,0 +1,397 @@
+"""Resumable training: atomic checkpoints, exact resume, SLURM preemption, resumable data order.
+
+Training checkpoints are not Snakemake outputs (Snakemake deletes the outputs of failed jobs), so
+a rerun finds its own progress under the run directory and continues from it:
+
+    run_dir/checkpoints/step_000300/
+        model/        HF format (config.json, model.safetensors, tokenizer files): loadable by
+                      AutoModelForCausalLM / AutoTokenizer and by vLLM as it is
+        state.pt      optimizer, scheduler, RNG states (python, numpy, torch CPU and CUDA) and
+                      the trainer state (step, data order, counters, selection metrics)
+        meta.json     step, save time, file sizes, trainer state (readable without torch)
+        COMPLETE      written last; a directory without it is never used
+
+A checkpoint is built in a hidden temporary sibling and renamed into place only after COMPLETE
+is written (`a2tgpo.io.atomic_path`), so a job killed mid-save leaves at most a hidden temporary
+directory, which the next save removes. One process (rank 0) writes a run directory: pruning
+deletes any temporary directory it finds, which would break a concurrent writer.
+
+Preemption: SLURM sends SIGTERM (or the `--signal` chosen, here SIGUSR1) some time before
+killing a job. `PreemptionHandler` turns both into a flag; the loop checks it at safe points,
+saves, and exits with `EXIT_PREEMPTED`, and the rerun resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from a2tgpo.io import atomic_path, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+# sysexits.h EX_TEMPFAIL, "try again later": distinct from success (0), Python errors (1) and
+# usage errors (2), so the caller (Snakemake retries, a SLURM requeue script) can tell a
+# preempted run, which a plain rerun resumes, from a failed one.
+EXIT_PREEMPTED = 75
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+# --------------------------------------------------------------------------------------------
+# Listing
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a checkpoint directory named `step_NNNNNN`."""
+    m = _STEP_DIR.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint directory (expected step_NNNNNN)")
+    return int(m.group(1))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest step first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir()
+             if _STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None for a fresh run."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# --------------------------------------------------------------------------------------------
+# RNG states
+
+
+def _rng_state() -> dict:
+    import torch
+
+    key = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        # as a tensor, so state.pt loads with torch.load(weights_only=True)
+        "numpy": {**key, "state": {"key": torch.from_numpy(key["state"]["key"].astype(np.int64)),
+                                   "pos": key["state"]["pos"]}},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    key = state["numpy"]
+    np.random.set_state({**key, "state": {"key": key["state"]["key"].numpy().astype(np.uint32),
+                                          "pos": key["state"]["pos"]}})
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state["cuda"]
+    if not torch.cuda.is_available():
+        if cuda is not None:
+            log.warning("checkpoint has CUDA RNG states but no GPU is visible; not restored")
+        return
+    if cuda is None:
+        log.warning("checkpoint was saved without a GPU; CUDA RNG states left as they are")
+        return
+    if len(cuda) != torch.cuda.device_count():
+        log.warning("checkpoint has %d CUDA RNG states, %d devices visible; restoring the first %d",
+                    len(cuda), torch.cuda.device_count(), min(len(cuda), torch.cuda.device_count()))
+    for device, s in enumerate(cuda[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(s.cpu(), device)
+
+
+# --------------------------------------------------------------------------------------------
+# Save / load
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler=None,
+    trainer_state: dict,
+    keep_last: int,
+    keep_steps: set[int] | frozenset[int] = frozenset(),
+) -> Path:
+    """Write `run_dir/checkpoints/step_{step:06d}/` atomically, then prune old checkpoints.
+
+    `model` is an unwrapped HF `PreTrainedModel` (not DDP/FSDP-wrapped). `trainer_state` must be
+    JSON-serialisable (it is also written to meta.json, and this keeps state.pt loadable with
+    `weights_only=True`). After the save, the last `keep_last` complete checkpoints, those whose
+    step is in `keep_steps` (e.g. the ones checkpoint selection needs) and this one are kept;
+    other checkpoints and leftovers of killed saves are deleted. Returns the checkpoint path.
+    """
+    import torch
+
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    # fail before writing anything rather than after the (large) model files
+    json.dumps(trainer_state)
+
+    path = checkpoints_dir(run_dir) / f"step_{step:06d}"
+    started = time.time()
+    with atomic_path(path, directory=True) as tmp:
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": _rng_state(),
+            "trainer_state": trainer_state,
+        }, tmp / "state.pt")
+        now = time.time()
+        atomic_write_json(tmp / "meta.json", {
+            "step": step,
+            "time": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(),
+            "unix_time": now,
+            "save_seconds": round(now - started, 3),
+            "file_sizes": _file_sizes(tmp),
+            "trainer_state": trainer_state,
+        })
+        (tmp / COMPLETE).write_text(f"{step}\n")
+    log.info("saved checkpoint %s (%.1fs)", path, time.time() - started)
+    prune_checkpoints(run_dir, keep_last=keep_last, keep_steps=set(keep_steps) | {step})
+    return path
+
+
+def prune_checkpoints(run_dir: str | Path, *, keep_last: int,
+                      keep_steps: set[int] | frozenset[int] = frozenset()) -> list[Path]:
+    """Delete all but the last `keep_last` complete checkpoints and those in `keep_steps`.
+
+    Also deletes what killed saves leave behind: hidden temporary directories and step
+    directories without COMPLETE. Returns the deleted paths.
+    """
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    complete = list_checkpoints(run_dir)
+    keep = set(complete[-keep_last:]) | {p for p in complete if checkpoint_step(p) in keep_steps}
+    doomed = [p for p in root.iterdir() if p.is_dir() and p not in keep
+              and (_STEP_DIR.match(p.name) or p.name.startswith("."))]
+    for p in doomed:
+        # rename first: rmtree removes files in no set order and could otherwise be killed
+        # while a directory still holds COMPLETE but no longer all of its model files
+        trash = p if p.name.startswith(".") else p.with_name(f".{p.name}.{os.getpid()}.del")
+        if trash != p:
+            p.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("pruned %s", p)
+    return doomed
+
+
+def _read_safetensors(model_dir: Path, device: str) -> dict:
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    weights = {}
+    for shard in shards:
+        weights.update(load_file(model_dir / shard, device=device))
+    return weights
+
+
+def _load_weights(model, model_dir: Path, map_location: str) -> None:
+    """Copy the HF weights in `model_dir` into `model` in place (exact, same dtype on disk)."""
+    weights = _read_safetensors(model_dir, map_location)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # save_pretrained leaves out tied parameters (lm_head tied to the embedding): a missing key
+    # is fine only if its tensor is shared with one that was loaded
+    params = model.state_dict(keep_vars=True)
+    loaded_ptrs = {params[k].data_ptr() for k in weights if k in params}
+    untied = [k for k in missing if params[k].data_ptr() not in loaded_ptrs]
+    if untied or unexpected:
+        raise ValueError(f"{model_dir} does not match the model: missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]}")
+
+
+def _verify_sizes(path: Path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    for name, size in meta["file_sizes"].items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise ValueError(f"checkpoint {path} is damaged: {name} missing or not {size} bytes")
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None,
+                    map_location: str = "cpu") -> dict[str, Any]:
+    """Restore a checkpoint into existing objects; returns the saved trainer state.
+
+    Weights are read from the HF files into `model` in place; optimizer and scheduler states
+    (when given) and every RNG state are restored, so training continues as if uninterrupted
+    (bit-identical on CPU).
+    """
+    import torch
+
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    _verify_sizes(path)
+    _load_weights(model, path / "model", map_location)
+    state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise ValueError(f"{path} was saved without a scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    log.info("resumed from %s", path)
+    return state["trainer_state"]
+
+
+# --------------------------------------------------------------------------------------------
+# Preemption
+
+
+class PreemptionHandler:
+    """Turn SIGTERM / SIGUSR1 into a flag the training loop polls, instead of dying.
+
+        with PreemptionHandler() as preempt:
+            for step in ...:
+                train_step()
+                if preempt.requested:
+                    save_checkpoint(...)
+                    sys.exit(EXIT_PREEMPTED)
+
+    Save inside the `with` block: further signals then only set the flag again, so they cannot
+    interrupt the save. The previous handlers are restored on exit. Must be entered from the
+    main thread (a Python restriction on signal handlers).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.requested = False
+        self.received: list[str] = []
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        if not self.requested:
+            log.warning("received %s: will checkpoint and exit at the next safe point", name)
+        self.requested = True
+
+    def __enter__(self) -> PreemptionHandler:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Data order
+
+
+class DataExhausted(Exception):
+    """All epochs of a `DataOrder` are consumed.
+
+    Not a StopIteration on purpose: inside a generator that would turn into a RuntimeError
+    (PEP 479), and in a for loop it would end training silently instead of saying why.
+    """
+
+
+class DataOrder:
+    """A seeded, resumable order over `n_items` items for `epochs` epochs.
+
+    Each epoch is a permutation drawn from its own generator seeded `seed + epoch` (independent
+    of the global RNGs). Batches never span two epochs: a remainder too small for the requested
+    size is skipped (like `drop_last=True`), so the next batch is the next epoch's first one.
+    The state is (epoch, position, batches served); a run resumed from it produces the same
+    batches as one that was never interrupted, also when saved exactly at an epoch boundary.
+    """
+
+    def __init__(self, n_items: int, epochs: int, seed: int) -> None:
+        if n_items < 1 or epochs < 1:
+            raise ValueError(f"need n_items >= 1 and epochs >= 1, got {n_items}, {epochs}")
+        self.n_items, self.epochs, self.seed = n_items, epochs, seed
+        self.epoch = 0
+        self.position = 0
+        self.batches = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng(self.seed + epoch).permutation(self.n_items))
+        return self._perm[1]
+
+    def next_batch(self, size: int) -> list[int]:
+        """The next `size` item indices; raises `DataExhausted` after the last epoch."""
+        if not 1 <= size <= self.n_items:
+            raise ValueError(f"batch size must be in [1, {self.n_items}], got {size}")
+        if self.position + size > self.n_items:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self.epoch >= self.epochs:
+            raise DataExhausted(
+                f"data order exhausted after {self.batches} batches: all {self.epochs} epochs "
+                f"of {self.n_items} items used ({self.n_items // size} batches of {size} per "
+                f"epoch); lower total_steps or raise epochs")
+        start = self.position
+        self.position += size
+        self.batches += 1
+        return self._permutation(self.epoch)[start:self.position].tolist()
+
+    def steps_remaining(self, total_steps: int) -> int:
+        """Training steps left in a `total_steps`-step run (one batch per step).
+
+        Raises if more batches were served than `total_steps`: the run was resumed with a
+        smaller total, and silently running zero steps would hide that.
+        """
+        if self.batches > total_steps:
+            raise ValueError(f"{self.batches} batches already served, more than total_steps="
+                             f"{total_steps}; was the run resumed with a different config?")
+        return total_steps - self.batches
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n_items": self.n_items, "epochs": self.epochs, "seed": self.seed,
+                "epoch": self.epoch, "position": self.position, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position; the data size, epochs and seed must match the saved ones."""
+        saved = (state["n_items"], state["epochs"], state["seed"])
+        if saved != (self.n_items, self.epochs, self.seed):
+            raise ValueError(f"data order saved for (n_items, epochs, seed)={saved}, "
+                             f"resumed with {(self.n_items, self.epochs, self.seed)}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.batches = state["batches"]
