@@ -12,3 +12,7 @@ PY
 # only the modules that hold GPU tests: the GPU image lacks some CPU-side dependencies
 files=$(grep -rl "mark.gpu" tests --include='test_*.py')
 python3 -m pytest -q -p no:cacheprovider -m gpu $files "$@"
+rc=$?
+# Qwen3-4B-sized numbers (random weights built from the config; nothing is downloaded)
+python3 bench/gpu_bench.py || rc=1
+exit $rc

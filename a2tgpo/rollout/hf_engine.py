@@ -88,8 +88,11 @@ class HfEngine:
         gens = [torch.Generator(device="cpu").manual_seed(int(sd)) for sd in seeds]
 
         cache = DynamicCache()
+        # logits_to_keep=1: only the next token's logits (a 150k vocabulary x prompt length
+        # would otherwise be materialised for nothing)
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                            past_key_values=cache, use_cache=True).logits[:, -1].float()
+                            past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1].float()
         rows = list(range(B))  # original index of each live row
         next_pos = pos[:, -1] + 1
         toks: list[list[int]] = [[] for _ in range(B)]
@@ -127,7 +130,7 @@ class HfEngine:
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             logits = self.model(input_ids=chosen[:, None].to(self.device), attention_mask=attn,
                                 position_ids=next_pos[:, None], past_key_values=cache,
-                                use_cache=True).logits[:, -1].float()
+                                use_cache=True, logits_to_keep=1).logits[:, -1].float()
             next_pos = next_pos + 1
         return [Generation(tuple(toks[b]), tuple(lps[b]), done[b][0], done[b][1],
                            tuple(ents[b])) for b in range(B)]
