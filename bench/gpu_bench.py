@@ -111,7 +111,8 @@ def bench_ig(model, n_traj: int, searches: int) -> dict:
     sync()
     plain = time.perf_counter() - t
     return {"ig_time_ratio": (fused - plain) / plain, "ig_token_ratio":
-            stats["ig_tokens"] / stats["trajectory_tokens"], "old_logprob_s": plain}
+            stats["ig_tokens"] / stats["trajectory_tokens"], "old_logprob_s": plain,
+            "breakdown": {k: v for k, v in stats.items() if k.startswith("seconds")}}
 
 
 def bench_train(model, config, batch: int, seq: int) -> dict:
@@ -184,6 +185,8 @@ def main() -> None:
     rows.append(("IG time / old-logprob forward", f"{ig['ig_time_ratio']:.3f} "
                                                   f"(forward {ig['old_logprob_s']:.2f} s)"))
     rows.append(("IG extra tokens / trajectory tokens", f"{ig['ig_token_ratio']:.3f}"))
+    rows.append(("IG pass breakdown (s)", ", ".join(f"{k.removeprefix('seconds_')} {v:.2f}"
+                                                    for k, v in ig["breakdown"].items())))
     tb, ts = (2, 256) if small else (4, 2048)
     tr = bench_train(model, config, batch=tb, seq=ts)
     rows.append((f"train step (fwd+bwd+AdamW), {tb}x{ts}",

@@ -2,7 +2,7 @@
 # GPU smoke check, run on a lent GPU machine from the repo root (python3 there holds a CUDA
 # torch and transformers). Prints the device, then runs the tests marked `gpu`.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 - <<'PY'
 import torch, transformers

@@ -85,7 +85,7 @@ class HfEngine:
             attn[b, P - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device="cpu").manual_seed(int(sd)) for sd in seeds]
+        gens = [torch.Generator(device=self.device).manual_seed(int(sd)) for sd in seeds]
 
         cache = DynamicCache()
         # logits_to_keep=1: only the next token's logits (a 150k vocabulary x prompt length
@@ -103,14 +103,17 @@ class HfEngine:
 
         for step in range(params.max_tokens):
             logp = torch.log_softmax(logits, dim=-1)  # raw distribution
-            ent = -(logp.exp() * logp).sum(-1)
             chosen = self._sample(logits, params, [gens[r] for r in rows])
+            # one device->host transfer per step, not one per row
+            step_tok = chosen.tolist()
+            step_lp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
+            step_ent = (-(logp.exp() * logp).sum(-1)).tolist()
             keep = []
             for i, r in enumerate(rows):
-                tok = int(chosen[i])
+                tok = step_tok[i]
                 toks[r].append(tok)
-                lps[r].append(float(logp[i, tok]))
-                ents[r].append(float(ent[i]))
+                lps[r].append(step_lp[i])
+                ents[r].append(step_ent[i])
                 if tok in self.eos:
                     done[r] = ("eos", None)
                 elif params.stop and (hit := self._stop_hit(toks[r], params.stop, max_stop)):
@@ -137,19 +140,24 @@ class HfEngine:
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams,
                 gens: list[torch.Generator]) -> torch.Tensor:
-        """One token per row. Shapes: logits (b, V) -> (b,) long."""
+        """One token per row, on the device. Shapes: logits (b, V) -> (b,) long.
+
+        Gumbel-max: argmax(log p + G) with G = −log(−log U) is a sample from p; each row's U
+        comes from its own generator, which is what makes rows independent of each other.
+        """
         if params.greedy:
             return logits.argmax(-1)
-        probs = torch.softmax(logits / params.temperature, dim=-1).cpu()
+        scaled = torch.log_softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
             # keep the smallest set of most likely tokens whose mass reaches top_p
-            sorted_p, order = probs.sort(-1, descending=True)
-            cum = sorted_p.cumsum(-1)
-            drop = cum - sorted_p >= params.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
-                            for i, g in enumerate(gens)]).to(self.device)
+            sorted_lp, order = scaled.sort(-1, descending=True)
+            before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
+            sorted_lp = sorted_lp.masked_fill(before >= params.top_p, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_lp)
+        V = logits.shape[-1]
+        u = torch.stack([torch.rand(V, generator=g, device=self.device) for g in gens])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
+        return (scaled + gumbel).argmax(-1)
 
     def _stop_hit(self, toks: list[int], stops: tuple[str, ...], max_stop: int) -> str | None:
         """The stop string the last token completed, if any (checked on decoded text only)."""

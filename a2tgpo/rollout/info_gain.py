@@ -186,6 +186,15 @@ def _mean_answer_logprob(logits_NKV: torch.Tensor,
     return [logp[n, cols, targets].mean().item() for n, cols, targets in items]
 
 
+def _clock(device) -> float:
+    """Wall time after the device's queued work is done (the GPU runs asynchronously)."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
     from transformers import DynamicCache
 
@@ -201,8 +210,11 @@ def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
         chunk = order[lo: lo + batch_size]
         ids_BL, mask_BL = _pad([trajs[b].ids for b in chunk], device)
         cache = DynamicCache(config=model.config)
+        t0 = _clock(device)
         out = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=_positions(mask_BL),
                     past_key_values=cache, use_cache=True, logits_to_keep=0 if want_lps else 1)
+        t1 = _clock(device)
+        stats["seconds_trajectory_forward"] = stats.get("seconds_trajectory_forward", 0) + t1 - t0
         stats["forwards"] += 1
         stats["tokens_processed"] += sum(len(trajs[b].ids) for b in chunk)
         stats["padded_tokens"] += ids_BL.numel()
@@ -214,9 +226,12 @@ def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
             for row, b in enumerate(chunk):
                 lps[b] = logp_BL[row, : len(trajs[b].ids) - 1].tolist()
         del out
+        t2 = _clock(device)
+        stats["seconds_token_logprobs"] = stats.get("seconds_token_logprobs", 0) + t2 - t1
         if any(trajs[b].probe_points for b in chunk):
             _probe_against_cache(model, cache, [trajs[b] for b in chunk],
                                  [probes[b] for b in chunk], [values[b] for b in chunk], stats)
+        stats["seconds_probes"] = stats.get("seconds_probes", 0) + _clock(device) - t2
     return values, lps
 
 

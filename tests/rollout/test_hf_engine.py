@@ -102,3 +102,19 @@ def test_update_weights(model_tok):
         model.load_state_dict({k: v / 1.5 for k, v in sd.items()})
     with pytest.raises(ValueError, match="unexpected"):
         eng.update_weights({"nope": torch.zeros(1)})
+
+
+def test_gumbel_sampling_matches_the_distribution(engine):
+    from a2tgpo.rollout.engine import SamplingParams
+
+    # p = (0.5, 0.3, 0.2); 6000 rows, each with its own generator
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(6000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(6000)]
+    counts = torch.bincount(engine._sample(logits, SamplingParams(max_tokens=1), gens),
+                            minlength=3).double() / 6000
+    # binomial std at n = 6000 is <= 0.0065; 0.025 is ~4 std
+    assert (counts - torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)).abs().max() < 0.025
+    # top-p 0.6 keeps the two most likely (0.5 < 0.6), renormalised to 0.625 / 0.375
+    top = torch.bincount(engine._sample(logits, SamplingParams(max_tokens=1, top_p=0.6), gens),
+                         minlength=3).double() / 6000
+    assert top[2] == 0 and abs(top[0] - 0.625) < 0.025
