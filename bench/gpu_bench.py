@@ -89,27 +89,38 @@ def bench_ig(model, n_traj: int, searches: int) -> dict:
         trajs.append((ids, points))
         probes.append((torch.randint(1000, VOCAB_HI, (20,), generator=g).tolist(), (12, 16)))
     model.eval()
-    score_gold_logprobs(model, trajs[:1], probes[:1], batch_size=1)  # warm-up
-    sync()
-    t = time.perf_counter()
-    _, _, stats = score_gold_logprobs(model, trajs, probes, method="kv", batch_size=2)
-    sync()
-    fused = time.perf_counter() - t
-    # the old-logprob forward alone over the same batches
-    t = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, n_traj, 2):
-            rows = [trajs[i][0] for i in range(s, min(n_traj, s + 2))]
-            L = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), L, dtype=torch.long, device=DEV)
-            attn = torch.zeros_like(ids)
-            for i, r in enumerate(rows):
-                ids[i, : len(r)] = torch.tensor(r)
-                attn[i, : len(r)] = 1
-            logits = model(input_ids=ids, attention_mask=attn).logits
-            torch.log_softmax(logits.float(), -1)
-    sync()
-    plain = time.perf_counter() - t
+
+    def fused():
+        return score_gold_logprobs(model, trajs, probes, method="kv", batch_size=2)[2]
+
+    def plain():  # the old-logprob forward alone over the same batches
+        with torch.inference_mode():
+            for s in range(0, n_traj, 2):
+                rows = [trajs[i][0] for i in range(s, min(n_traj, s + 2))]
+                L = max(len(r) for r in rows)
+                ids = torch.zeros(len(rows), L, dtype=torch.long, device=DEV)
+                attn = torch.zeros_like(ids)
+                for i, r in enumerate(rows):
+                    ids[i, : len(r)] = torch.tensor(r)
+                    attn[i, : len(r)] = 1
+                logits = model(input_ids=ids, attention_mask=attn).logits
+                torch.log_softmax(logits.float(), -1)
+
+    # warm both paths on the exact shapes first (kernel selection and allocator growth
+    # happen on first use and must not be charged to either side), then best of 2
+    fused(), plain()
+    times = {"fused": [], "plain": []}
+    for _ in range(2):
+        for name, fn in (("fused", fused), ("plain", plain)):
+            sync()
+            t = time.perf_counter()
+            out = fn()
+            sync()
+            times[name].append(time.perf_counter() - t)
+            if name == "fused":
+                stats = out
+    fused_s, plain = min(times["fused"]), min(times["plain"])
+    fused = fused_s
     return {"ig_time_ratio": (fused - plain) / plain, "ig_token_ratio":
             stats["ig_tokens"] / stats["trajectory_tokens"], "old_logprob_s": plain,
             "breakdown": {k: v for k, v in stats.items() if k.startswith("seconds")}}
