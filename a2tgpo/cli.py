@@ -216,6 +216,17 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from a2tgpo.train.config import TrainConfig
+    from a2tgpo.train.rl import train
+
+    cfg = _load(TrainConfig, args)
+    summary = train(cfg)
+    print(f"trained {cfg.method.id} for {summary['steps']} steps; best dev EM "
+          f"{summary['best_val_em']:.3f} at step {summary['best_step']} -> {cfg.run_dir}")
+    return 0
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -393,6 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
     p.add_argument("--out", required=True, help="output JSON report")
     p.set_defaults(func=cmd_retrieval_eval)
+
+    p = sub.add_parser(
+        "train",
+        help="run (or resume) one RL training job from a resolved config",
+        description="Train one grid cell: rollouts, rewards, information gain, advantages and "
+        "PPO-style updates per the method, with validation, checkpoints and tracking on "
+        "schedule. A rerun resumes from the last complete checkpoint; SIGTERM/SIGUSR1 save "
+        "and exit with code 75.",
+        epilog=EPILOG_OVERRIDES,
+        formatter_class=fmt,
+    )
+    _config_args(p, "train")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
         "methods",

@@ -1,0 +1,91 @@
+"""The resolved training config: everything `a2tgpo train <config.yaml>` needs, in one file.
+
+The DAG writes one per grid cell (backbone x method x beta x gamma x seed); it is also what a
+person edits to rerun a cell by hand. The method's full settings are inlined, so a resolved
+file is self-contained and diffable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from a2tgpo.algo.methods import MethodConfig
+from a2tgpo.config import option
+from a2tgpo.model.backbone import BackboneConfig
+from a2tgpo.retrieval.retriever import RetrievalConfig
+from a2tgpo.rollout.agent import AgentConfig
+from a2tgpo.tracking import TrackingConfig
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its schedule (A2TGPO App. B: lr 1e-6, AdamW)."""
+
+    lr: float = option(1e-6, "Peak learning rate.")
+    betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas.")
+    weight_decay: float = option(0.01, "AdamW weight decay.")
+    warmup_steps: int = option(0, "Linear warmup over this many optimizer updates.")
+    grad_clip: float = option(1.0, "Max gradient norm (0 = no clipping).")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Batch sizes and the step budget (A2TGPO App. B: 64 prompts, mini-batch 8, 240 steps)."""
+
+    steps: int = option(240, "RL steps (one rollout batch each).")
+    prompts_per_step: int = option(64, "Questions per step (each rolled out method.rollout.n "
+                                        "times).")
+    mini_batch_prompts: int = option(8, "Questions per optimizer update (prompts_per_step / "
+                                         "this = updates per step).")
+    micro_batch_size: int = option(8, "Trajectories per forward/backward (memory knob only: "
+                                       "losses use global denominators).")
+    ppo_epochs: int = option(1, "Passes over each step's rollouts.")
+    eval_every: int = option(20, "Greedy validation on the dev split every N steps.")
+    eval_questions: int = option(0, "Dev questions per validation (0 = all).")
+    save_every: int = option(20, "Checkpoint every N steps (and at the end).")
+    keep_last: int = option(2, "Checkpoints kept besides those selection needs.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run (one grid cell)."""
+
+    run_dir: str = option(doc="Output folder of this run (metrics.jsonl, checkpoints/, ...).")
+    results_dir: str = option(doc="The study's results folder (the local MLflow store lives "
+                                  "there).")
+    study: str = option("toy", "Study name (MLflow experiment).")
+    cell: str = option("", "Grid cell path, e.g. backbone~toy/method~grpo/beta~0/seed~1.")
+    seed: int = option(1, "Seed of data order, sampling and initialisation of anything random.")
+    backbone: BackboneConfig = option(doc="Starting policy (the toy: the warm-started model).")
+    method: MethodConfig = option(doc="The method, fully resolved (config/methods/<id>.yaml).")
+    train_file: str = option(doc="Prepared training questions (parquet).")
+    dev_file: str = option(doc="Prepared dev questions for validation and selection (parquet).")
+    corpus: str = option(doc="Retrieval corpus (wiki-18 format JSONL).")
+    index: str | None = option(None, "Faiss index (dense retrieval in process).")
+    retrieval: RetrievalConfig = option(doc="Search tool.", factory=RetrievalConfig)
+    rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
+    optim: OptimConfig = option(doc="Optimizer.", factory=OptimConfig)
+    schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
+    engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
+    device: str = option("auto", "torch device; auto = cuda when available.")
+    backend: Literal["single", "deepspeed"] = option(
+        "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1, 2 or 3).")
+    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+    tracking: TrackingConfig = option(doc="metrics.jsonl + MLflow.", factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        s = self.schedule
+        if s.prompts_per_step % s.mini_batch_prompts:
+            raise ValueError("schedule.prompts_per_step must be a multiple of "
+                             "schedule.mini_batch_prompts")
+        if min(s.steps, s.prompts_per_step, s.mini_batch_prompts, s.micro_batch_size,
+               s.ppo_epochs) < 1:
+            raise ValueError("schedule sizes must be >= 1")
+        buf = self.method.dapo.overlong_buffer
+        if buf > self.rollout.max_response_tokens:
+            raise ValueError(f"method.dapo.overlong_buffer ({buf}) exceeds "
+                             f"rollout.max_response_tokens ({self.rollout.max_response_tokens})")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError("zero_stage must be 1, 2 or 3")
