@@ -216,6 +216,14 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_sft(args) -> int:
+    from a2tgpo.train import sft
+
+    return sft.main(args.config, args.overrides, backbone_dir=args.backbone,
+                    world_dir=args.world, corpus=args.corpus, index=args.index,
+                    out_dir=args.out, section=args.section, holdout=args.holdout)
+
+
 def cmd_train(args) -> int:
     from a2tgpo.train.config import TrainConfig
     from a2tgpo.train.rl import train
@@ -404,6 +412,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
     p.add_argument("--out", required=True, help="output JSON report")
     p.set_defaults(func=cmd_retrieval_eval)
+
+    p = sub.add_parser(
+        "sft",
+        help="warm-start a backbone on scripted search demonstrations (the toy world)",
+        description="Write oracle demonstrations on the toy world (queries formed from the "
+        "question and the retrieved passages, through the real retriever; a share of them "
+        "deliberately imperfect) and fine-tune the backbone on their generated tokens only. "
+        "Makes the tiny toy model a competent starting policy; the papers' backbones skip it.",
+        formatter_class=fmt,
+    )
+    _config_args(p, "sft")
+    p.add_argument("--backbone", required=True, help="model directory to start from")
+    p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
+    p.add_argument("--corpus", required=True, help="retrieval corpus (JSONL)")
+    p.add_argument("--index", required=True, help="faiss index of the corpus")
+    p.add_argument("--holdout", default=None,
+                   help="prepared QA file whose questions are left out (e.g. data/dev.parquet)")
+    p.add_argument("--out", required=True, help="output model directory")
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser(
         "train",

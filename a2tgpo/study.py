@@ -27,6 +27,7 @@ from a2tgpo.data.world import WorldConfig
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
+from a2tgpo.train.sft import SftConfig
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class StudyConfig:
     corpus: CorpusSection = option(doc="Retrieval corpus source.", factory=CorpusSection)
     retrieval: RetrievalConfig = option(
         doc="The search tool: retriever, encoder, index, HTTP mode.", factory=RetrievalConfig
+    )
+    sft: SftConfig = option(
+        doc="Warm-start of built (toy) backbones on scripted demonstrations.", factory=SftConfig
     )
 
     def __post_init__(self) -> None:

@@ -69,6 +69,7 @@ def test_toy_stages_run_and_rerun_is_noop(workdir):
          "mix": {"bridge": 0.8, "comparison": 0.2}},
     ]
     cfg["data"]["dev_size"] = 6
+    cfg["sft"] = {"epochs": 1, "max_questions": 12, "datasets": ["toy_nq/train"]}
     cfg["data"]["test"] = [t for t in cfg["data"]["test"] if t["name"] in ("toy_nq", "toy_hotpotqa")]
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
     r = smk(workdir)
@@ -77,6 +78,8 @@ def test_toy_stages_run_and_rerun_is_noop(workdir):
     data = json.loads((res / "data/summary.json").read_text())
     assert data["files"]["dev.parquet"]["rows"] == 6
     assert (res / "backbone/model.safetensors").exists()
+    assert (res / "sft/model.safetensors").exists()
+    assert json.loads((res / "retrieval/recall.json").read_text())["dense"]["n"] > 0
     # nothing changed -> nothing to do
     r = smk(workdir, "-n")
     assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr

@@ -47,6 +47,8 @@ def all_targets():
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]
+    if TOY_BACKBONES:
+        targets.append(f"{R}/sft/config.json")
     return targets
 
 

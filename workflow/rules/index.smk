@@ -72,3 +72,27 @@ rule retrieval_eval:
     shell:
         "a2tgpo retrieval-eval {input.cfg} --corpus {input.corpus} --index {input.index} "
         "--world {R}/world --out {output} > {log} 2>&1"
+
+
+rule sft:
+    """Warm-start of the built (toy) backbone: the policy every toy method starts from."""
+    input:
+        cfg=f"{R}/configs/sft.yaml",
+        backbone=[f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()],
+        world=f"{R}/world/summary.json",
+        data=f"{R}/data/summary.json",
+        index=index_file(),
+        corpus=corpus_file(),
+    output:
+        f"{R}/sft/config.json",
+    params:
+        backbone=lambda wc, input: str(Path(input.backbone[0]).parent),
+    log:
+        f"{R}/logs/sft.log",
+    resources:
+        gpu=1,
+        runtime=120,
+    shell:
+        "a2tgpo sft {input.cfg} --backbone {params.backbone} --world {R}/world "
+        "--corpus {input.corpus} --index {input.index} --holdout {R}/data/dev.parquet "
+        "--out {R}/sft > {log} 2>&1"
