@@ -25,7 +25,8 @@ The imperfect demonstrations reuse the perfect ones' thoughts, so the model lear
 probability of stopping early or guessing at the same decision points, not a separate style.
 
 Training: causal-LM cross-entropy on action tokens only (the `collate` loss mask, shifted by
-one), AdamW, linear warm-up then cosine decay, gradient clipping, seeded data order.
+one), AdamW, linear warm-up then cosine decay, gradient clipping, seeded data order. Batches
+group sequences of similar length and run the prefix all rows share (the system prompt) once.
 Sequences longer than `max_seq_len` are left out and counted, never truncated.
 """
 
@@ -456,9 +457,8 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *
         history.append(row)
         line = (f"sft epoch {epoch + 1}/{cfg.epochs}: loss {row['loss']:.4f}, "
                 f"{row['tokens_per_s']:.0f} tokens/s, {seconds:.1f} s")
-        if progress:
-            bar.write(line)
-        log.info(line)
+        # one line per epoch, under the bar when there is one
+        (bar.write if progress else log.info)(line)
     bar.close()
     model.eval()
     return {"sequences": len(kept), "skipped_too_long": skipped, "steps": total,
