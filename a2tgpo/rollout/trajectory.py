@@ -91,6 +91,10 @@ class Trajectory:
     def token_ids(self) -> list[int]:
         return self.prefix_ids(len(self.turns))
 
+    def response_ids(self) -> list[int]:
+        """Everything after the prompt: actions and observations, as the reward reads it."""
+        return self.token_ids()[len(self.prompt_ids):]
+
     def response_length(self) -> int:
         return sum(len(t.action_ids) + len(t.obs_ids) for t in self.turns)
 

@@ -82,12 +82,6 @@ def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy
     return lp, ent
 
 
-def response_text(tok, t: Trajectory) -> str:
-    """The response (actions and observations) as the reward reads it (specials skipped)."""
-    ids = [i for turn in t.turns for i in turn.action_ids + turn.obs_ids]
-    return tok.decode(ids, skip_special_tokens=True)
-
-
 def score(cfg: TrainConfig, tok, trajs: list[Trajectory], *, training: bool
           ) -> list[Trajectory]:
     """Rewards and metrics for each trajectory (reward style of the method)."""
@@ -96,7 +90,7 @@ def score(cfg: TrainConfig, tok, trajs: list[Trajectory], *, training: bool
     style = "search_r1" if cfg.method.reward.startswith("search_r1") else "a2tgpo"
     out = []
     for t in trajs:
-        s = score_response(response_text(tok, t), list(t.golden_answers), style,
+        s = score_response(tok.decode(t.response_ids(), skip_special_tokens=True), list(t.golden_answers), style,
                            training=training)
         reward = s.reward
         if cfg.method.reward == "search_r1" and training:
@@ -109,8 +103,10 @@ def score(cfg: TrainConfig, tok, trajs: list[Trajectory], *, training: bool
 def rollout(cfg: TrainConfig, questions: list[Question], engine, tool: SearchTool, *,
             seed: int, greedy: bool = False) -> list[Trajectory]:
     """The method's rollout shape over `questions` (greedy validation is always chains)."""
+    from a2tgpo.model.backbone import chat_template_kwargs
+
     shape = cfg.method.rollout
-    chat = {}
+    chat = chat_template_kwargs(cfg.backbone)
     if greedy or shape.shape == "chains":
         n = 1 if greedy else shape.n
         return rollout_chains(questions, n, engine, tool, cfg.rollout, seed=seed, greedy=greedy,
@@ -119,7 +115,7 @@ def rollout(cfg: TrainConfig, questions: list[Question], engine, tool: SearchToo
 
     fn = {"tree_random": trees.rollout_tree_grpo, "tree_entropy": trees.rollout_at2po,
           "aepo": trees.rollout_aepo}[shape.shape]
-    return fn(questions, engine, tool, cfg.rollout, shape, seed=seed)
+    return fn(questions, engine, tool, cfg.rollout, shape, seed=seed, chat_kwargs=chat)
 
 
 def information_gains(cfg: TrainConfig, model, tok, trajs: list[Trajectory], device

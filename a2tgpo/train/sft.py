@@ -303,15 +303,10 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
     out = []
     for b, kind in zip(builders, kinds):
         traj = b.build()
-        s = score_response(response_text(traj, tok), b.golden_answers, "a2tgpo", training=True)
+        s = score_response(tok.decode(traj.response_ids(), skip_special_tokens=True), b.golden_answers, "a2tgpo", training=True)
         out.append(dataclasses.replace(traj, reward=s.reward, extra={
             "kind": kind, "em": s.em, "format_ok": s.format_ok}))
     return out
-
-
-def response_text(traj: Trajectory, tokenizer) -> str:
-    """The response (actions and observations, no prompt) as the reward reads it."""
-    return tokenizer.decode(traj.token_ids()[len(traj.prompt_ids):], skip_special_tokens=True)
 
 
 def demo_stats(demos: Sequence[Trajectory]) -> dict:

@@ -55,7 +55,7 @@ def test_turn_validation_and_helpers():
     assert ta.prefix_ids(1) == [1, 2, 3, 4, 5, 6, 7] and ta.token_ids()[-1] == 8
     # probe points: after the prompt, then after the search's observation
     assert ta.probe_points() == [3, 7] and tb.probe_points() == [2]
-    assert ta.response_length() == 5
+    assert ta.response_length() == 5 and ta.response_ids() == [4, 5, 6, 7, 8]
 
 
 def test_branch_shares_exact_prefix():

@@ -21,7 +21,6 @@ from a2tgpo.train.sft import (
     load_oracle_questions,
     main,
     oracle,
-    response_text,
     shared_prefix_length,
     train_sft,
     write_demonstrations,
@@ -105,14 +104,14 @@ def test_demonstrations_are_well_formed(demos, questions, tokenizer):
     kinds = [d.extra["kind"] for d in demos]
     assert sum(k != "perfect" for k in kinds) == round(0.25 * len(demos))  # exactly the share
     for d, q in zip(demos, questions):
-        s = score_response(response_text(d, tokenizer), q.golden_answers, "a2tgpo",
+        s = score_response(tokenizer.decode(d.response_ids(), skip_special_tokens=True), q.golden_answers, "a2tgpo",
                            training=True)
-        assert s.format_ok, response_text(d, tokenizer)
+        assert s.format_ok, tokenizer.decode(d.response_ids(), skip_special_tokens=True)
         assert d.extra["em"] == s.em and d.reward == s.reward
         assert [t.stop for t in d.turns] == ["search"] * (len(d.turns) - 1) + ["answer"]
         assert all(lp == 0.0 for t in d.turns for lp in t.action_logprobs)
         if d.extra["kind"] == "perfect":
-            assert s.em == 1.0, response_text(d, tokenizer)
+            assert s.em == 1.0, tokenizer.decode(d.response_ids(), skip_special_tokens=True)
             # one search per lookup: the exact names, in order
             assert [t.query for t in d.turns[:-1]] == list(q.lookups)
         if d.extra["kind"] == "guess":
