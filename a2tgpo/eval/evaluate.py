@@ -1,0 +1,420 @@
+"""Test-set evaluation of a grid cell's checkpoint(s): greedy rollouts, EM/F1, group averages.
+
+The rollouts and scores are those of training's validation, by the same functions
+(`a2tgpo.train.rl.rollout(..., greedy=True)` and `a2tgpo.train.rl.score(..., training=False)`),
+so a dev EM and a test EM are measured the same way. The policy is the checkpoint's HF model
+directory, loaded through `a2tgpo.model.backbone` with the cell's backbone config pointed at it
+(dtype, chat template and thinking switch as in training); retriever and search tool are built
+from the cell's config as `rl.train` builds them.
+
+Throughput: the questions of ALL test sets go through the agent loop together, `chunk`
+questions per rollout call, so every wave of every call is one large engine batch (the hf
+engine splits it into `max_batch` rows per forward; vLLM schedules it continuously).
+
+Outputs of one checkpoint, in `<out>/` (the directory is replaced atomically as a whole, so a
+reader never sees a mix of two evaluations; summary.json is the completeness marker):
+
+    <dataset>.json              {"dataset", "group", "n", "em", "f1", "format_ok", "tool_calls",
+                                 "step", "checkpoint", "criterion"}  (means over the questions)
+    <dataset>.predictions.jsonl one row per question, file order: {"id", "question",
+                                 "golden_answers", "prediction" (extracted answer or null),
+                                 "em", "f1", "format_ok", "tool_calls", "queries", "stop"}
+    summary.json                {"step", "checkpoint", "criterion", "label",
+                                 "datasets": {name: {"n", "em", "f1", "group"}},
+                                 "groups": {group: {"n", "em", "f1"}, ..., "all": {...}}}
+    tracking/metrics.jsonl      what was logged to the cell's MLflow run (a2tgpo.tracking)
+
+`<dataset>` is the parquet file's stem; its group is the `group` column of its rows (one group
+per file). Group averages are SAMPLE-WEIGHTED, as the papers define them (A2TGPO §5.2): the sum
+of per-question EM over the group's datasets divided by their number of questions, so a large
+dataset weighs more than a small one. "all" pools every question. `checkpoint` is relative to
+the cell directory (as in best.json); `criterion`/`label` come from best.json (null / "step N"
+for `--all-checkpoints`, which writes one such directory per checkpoint:
+`<out>/step_NNNNNN/`, the input of `a2tgpo select --criterion test_avg`).
+
+Metrics go to the cell's MLflow run (`Tracker.attach`): `test/<dataset>/{em,f1}` and
+`test/<group>/{em,f1}` at the selected step for `--best`; `test_by_checkpoint/...` at each
+checkpoint's step for `--all-checkpoints` (a separate name, so the run's latest `test/...`
+values stay those of the selected checkpoint). A tracking failure never fails evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from a2tgpo.eval.select import read_best, step_dir_name
+from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
+from a2tgpo.tracking import SUMMARY_FILE
+from a2tgpo.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+# training's validation seed (rl.train: validate); greedy decoding does not draw from it
+EVAL_SEED = 10_000_019
+# questions per rollout call: large waves; also the granularity of the progress bar
+DEFAULT_CHUNK = 1024
+# rows per forward of the hf engine (its own default, 64, leaves CPU time in per-step overhead)
+DEFAULT_MAX_BATCH = 256
+TRACKING_SUBDIR = "tracking"
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    """One prepared test file: its name (the file stem), group and rows (`load_split` dicts)."""
+
+    name: str
+    group: str
+    path: Path
+    rows: list[dict]
+
+
+def load_test_sets(paths: Sequence[str | Path]) -> list[EvalDataset]:
+    """Read prepared test parquet files; checks names, groups and ids.
+
+    Raises ValueError naming the file (and row) when a file is empty, a row has no group,
+    a file mixes groups, a group is called "all", two files share a stem, or an id repeats
+    across files (questions are matched to predictions by id).
+    """
+    from a2tgpo.data.qa import load_split
+
+    if not paths:
+        raise ValueError("no test files given")
+    sets: list[EvalDataset] = []
+    seen_ids: dict[str, Path] = {}
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: test file not found")
+        rows = load_split(p)
+        if not rows:
+            raise ValueError(f"{p}: no questions")
+        for i, r in enumerate(rows):
+            if not (r.get("group") or "").strip():
+                raise ValueError(f"{p}: row {i} (id {r['id']!r}) has no group (the `group` "
+                                 "column names the average it counts in, e.g. multi_hop)")
+            if r["id"] in seen_ids:
+                raise ValueError(f"{p}: row {i}: id {r['id']!r} also in {seen_ids[r['id']]}")
+            seen_ids[r["id"]] = p
+        groups = sorted({r["group"] for r in rows})
+        if len(groups) > 1:
+            raise ValueError(f"{p}: rows of several groups {groups}; a test set belongs to "
+                             "one group")
+        if groups[0] == ALL:
+            raise ValueError(f"{p}: group {ALL!r} is reserved for the average over all sets")
+        if any(s.name == p.stem for s in sets):
+            raise ValueError(f"{p}: dataset name {p.stem!r} (the file stem) given twice")
+        sets.append(EvalDataset(p.stem, groups[0], p, rows))
+    return sets
+
+
+# --------------------------------------------------------------------------------------------
+# averages
+
+
+def mean_metrics(rows: Sequence[dict], keys: Sequence[str] = ("em", "f1")) -> dict[str, Any]:
+    """{"n", <key>: sum / n} over prediction rows (the sample-weighted mean)."""
+    n = len(rows)
+    return {"n": n, **{k: (sum(float(r[k]) for r in rows) / n if n else 0.0) for k in keys}}
+
+
+def group_averages(predictions: dict[str, list[dict]], groups: dict[str, str]) -> dict:
+    """Per group (and "all"): {"n", "em", "f1"} pooled over its datasets' questions.
+
+    `predictions`: dataset -> prediction rows (with "em", "f1"); `groups`: dataset -> group.
+    Pooling the rows (not averaging dataset means) is what makes the average sample-weighted.
+    """
+    by_group: dict[str, list[dict]] = {}
+    for name, rows in predictions.items():
+        by_group.setdefault(groups[name], []).extend(rows)
+    out = {g: mean_metrics(by_group[g]) for g in sorted(by_group)}
+    out[ALL] = mean_metrics([r for rows in predictions.values() for r in rows])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# policy and rollouts
+
+
+def _reward_style(cfg: TrainConfig) -> str:
+    # as rl.score picks it (checked below: the recomputed EM must equal rl.score's)
+    return "search_r1" if cfg.method.reward.startswith("search_r1") else "a2tgpo"
+
+
+def _device(cfg: TrainConfig) -> str:
+    import torch
+
+    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available()
+                                                    else "cpu")
+
+
+def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int = DEFAULT_MAX_BATCH,
+                engine=None):
+    """(cfg with the backbone at `model_dir`, tokenizer, engine) for one checkpoint.
+
+    A vLLM `engine` from a previous checkpoint is reused (its weights replaced), since
+    starting vLLM costs far more than loading the weights.
+    """
+    from a2tgpo.model.backbone import load_model, load_tokenizer
+    from a2tgpo.train.rl import _make_engine
+
+    backbone = dataclasses.replace(cfg.backbone, path=str(model_dir), revision=None)
+    cfg = dataclasses.replace(cfg, backbone=backbone)
+    tok = load_tokenizer(backbone)
+    if cfg.engine == "vllm":
+        if engine is None:
+            engine = _make_engine(cfg, None, tok)
+        else:
+            engine.update_weights(load_model(backbone, "cpu").state_dict())
+        return cfg, tok, engine
+    engine = _make_engine(cfg, load_model(backbone, _device(cfg)), tok)
+    engine.max_batch = max_batch
+    return cfg, tok, engine
+
+
+def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset], *,
+            chunk: int = DEFAULT_CHUNK, progress: bool = True) -> dict[str, list[dict]]:
+    """Greedy rollouts of every question of every set, scored; dataset -> prediction rows
+    (file order). All sets' questions are pooled into rollout calls of `chunk` questions."""
+    from tqdm import tqdm
+
+    from a2tgpo.algo.rewards import score_response
+    from a2tgpo.rollout.agent import Question
+    from a2tgpo.train.rl import rollout, score
+
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    items = [(s.name, r) for s in test_sets for r in s.rows]
+    style = _reward_style(cfg)
+    out: dict[str, list[dict]] = {s.name: [] for s in test_sets}
+    with tqdm(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
+        for start in range(0, len(items), chunk):
+            part = items[start: start + chunk]
+            qs = [Question(r["id"], r["question"], tuple(r["golden_answers"])) for _, r in part]
+            trajs = rollout(cfg, qs, engine, tool, seed=EVAL_SEED, greedy=True)
+            trajs = score(cfg, tok, trajs, training=False)
+            for (name, r), t in zip(part, trajs, strict=True):
+                if t.question_id != r["id"]:
+                    raise RuntimeError(f"rollout order changed: {t.question_id} for {r['id']}")
+                # the extracted answer, by the same scorer rl.score used
+                s = score_response(tok.decode(t.response_ids(), skip_special_tokens=True),
+                                   list(t.golden_answers), style, training=False)
+                if s.em != t.extra["em"]:
+                    raise RuntimeError(f"{r['id']}: EM {s.em} here but {t.extra['em']} from "
+                                       "rl.score; the reward style rule has drifted")
+                out[name].append({
+                    "id": r["id"], "question": r["question"],
+                    "golden_answers": list(r["golden_answers"]), "prediction": s.answer,
+                    "em": float(t.extra["em"]), "f1": float(t.extra["f1"]),
+                    "format_ok": bool(t.extra["format_ok"]), "tool_calls": t.num_tool_calls,
+                    "queries": [x.query for x in t.turns if x.stop == "search"],
+                    "stop": t.turns[-1].stop})
+            bar.update(len(part))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# one checkpoint
+
+
+def write_results(out_dir: str | Path, test_sets: Sequence[EvalDataset],
+                  predictions: dict[str, list[dict]], *, step: int, checkpoint: str,
+                  criterion: str | None, label: str) -> dict:
+    """Write the files of the module docstring into `out_dir` (replaced atomically as a
+    whole); returns the summary."""
+    groups = {s.name: s.group for s in test_sets}
+    datasets, per_set = {}, {}
+    for s in test_sets:
+        rows = predictions[s.name]
+        if len(rows) != len(s.rows):
+            raise ValueError(f"{s.path}: {len(rows)} predictions for {len(s.rows)} questions")
+        m = mean_metrics(rows, ("em", "f1", "format_ok", "tool_calls"))
+        per_set[s.name] = {"dataset": s.name, "group": s.group, **m, "step": step,
+                           "checkpoint": checkpoint, "criterion": criterion}
+        datasets[s.name] = {"n": m["n"], "em": m["em"], "f1": m["f1"], "group": s.group}
+    summary = {"step": step, "checkpoint": checkpoint, "criterion": criterion, "label": label,
+               "datasets": datasets, "groups": group_averages(predictions, groups)}
+    with atomic_path(out_dir, directory=True) as tmp:
+        for name, record in per_set.items():
+            atomic_write_jsonl(tmp / f"{name}.predictions.jsonl", predictions[name])
+            atomic_write_json(tmp / f"{name}.json", record)
+        atomic_write_json(tmp / SUMMARY_FILE, summary)
+    return summary
+
+
+def evaluate_checkpoint(cfg: TrainConfig, model_dir: str | Path, test_sets: Sequence[EvalDataset],
+                        out_dir: str | Path, *, step: int, checkpoint: str,
+                        criterion: str | None, label: str, retriever,
+                        chunk: int = DEFAULT_CHUNK, max_batch: int = DEFAULT_MAX_BATCH,
+                        engine=None, progress: bool = True) -> tuple[dict, Any, dict]:
+    """Roll out, score and write one checkpoint's results.
+
+    Returns (summary, engine, timing); the engine can be handed to the next call (vLLM reuse).
+    """
+    from a2tgpo.rollout.agent import SearchTool
+
+    t0 = time.perf_counter()
+    ccfg, tok, engine = load_policy(cfg, model_dir, max_batch=max_batch, engine=engine)
+    tool = SearchTool(retriever, tok, cfg.rollout)
+    t1 = time.perf_counter()
+    predictions = predict(ccfg, tok, engine, tool, test_sets, chunk=chunk, progress=progress)
+    t2 = time.perf_counter()
+    summary = write_results(out_dir, test_sets, predictions, step=step, checkpoint=checkpoint,
+                            criterion=criterion, label=label)
+    n = sum(len(v) for v in predictions.values())
+    timing = {"questions": n, "load_seconds": t1 - t0, "rollout_seconds": t2 - t1,
+              "questions_per_s": n / max(1e-9, t2 - t1),
+              "retrieval_calls": tool.calls}
+    for name, d in summary["datasets"].items():
+        log.info("step %d %s (%s): EM %.4f F1 %.4f on %d questions", step, name, d["group"],
+                 d["em"], d["f1"], d["n"])
+    return summary, engine, timing
+
+
+def tracked_metrics(summary: dict, prefix: str = "test") -> dict[str, float]:
+    """`<prefix>/<dataset>/{em,f1}` and `<prefix>/<group>/{em,f1}` of a summary."""
+    out = {}
+    for name, d in [*summary["datasets"].items(), *summary["groups"].items()]:
+        out[f"{prefix}/{name}/em"] = d["em"]
+        out[f"{prefix}/{name}/f1"] = d["f1"]
+    return out
+
+
+def _track(cell: Path, cfg: TrainConfig, out_dir: Path, tags: dict, fn) -> None:
+    """Run `fn(tracker)` in a Tracker attached to the cell's run; never raises."""
+    try:
+        from a2tgpo.tracking import Tracker
+
+        with Tracker.attach(cell, cfg.tracking, results_dir=cfg.results_dir,
+                            out_dir=out_dir / TRACKING_SUBDIR, tags=tags) as tracker:
+            fn(tracker)
+    except Exception as e:  # the results are written; tracking is the browsing layer only
+        log.warning("tracking the evaluation of %s failed (%s: %s); results in %s are complete",
+                    cell, type(e).__name__, e, out_dir)
+
+
+def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
+    groups = ", ".join(f"{g} {d['em']:.4f}" for g, d in summary["groups"].items())
+    return (f"step {summary['step']} ({summary['label']}): EM {groups} on "
+            f"{len(summary['datasets'])} test sets, {timing['questions']} questions in "
+            f"{timing['rollout_seconds']:.1f} s ({timing['questions_per_s']:.1f} q/s) -> "
+            f"{out_dir}")
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def _retriever(cfg: TrainConfig):
+    from a2tgpo.retrieval.retriever import build_retriever
+
+    return build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
+
+
+def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[str | Path],
+                  out_dir: str | Path, *, chunk: int = DEFAULT_CHUNK,
+                  max_batch: int = DEFAULT_MAX_BATCH, progress: bool = True) -> tuple[dict, str]:
+    """Evaluate the checkpoint best.json selected; returns (summary, one-line report).
+
+    The cell directory is `cfg.run_dir`; best.json's checkpoint is relative to it.
+    """
+    cell, out = Path(cfg.run_dir), Path(out_dir)
+    best = read_best(best_path, cell)
+    test_sets = load_test_sets(test_paths)  # fail on bad inputs before loading models
+    retriever = _retriever(cfg)
+    try:
+        summary, _, timing = evaluate_checkpoint(
+            cfg, best["model_dir"], test_sets, out, step=int(best["step"]),
+            checkpoint=best["checkpoint"], criterion=best["criterion"], label=best["label"],
+            retriever=retriever, chunk=chunk, max_batch=max_batch, progress=progress)
+    finally:
+        retriever.close()
+    tags = {"eval.criterion": best["criterion"], "eval.label": best["label"],
+            "eval.step": best["step"], "eval.checkpoint": best["checkpoint"]}
+
+    def log_all(tracker):
+        tracker.log(tracked_metrics(summary), summary["step"])
+        tracker.summary({"eval/step": summary["step"], "eval/questions": timing["questions"],
+                         "eval/seconds": timing["rollout_seconds"],
+                         "eval/questions_per_s": timing["questions_per_s"]})
+
+    _track(cell, cfg, out, tags, log_all)
+    return summary, _one_line(summary, timing, out)
+
+
+def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: str | Path, *,
+                 chunk: int = DEFAULT_CHUNK, max_batch: int = DEFAULT_MAX_BATCH,
+                 progress: bool = True) -> tuple[dict[int, dict], str]:
+    """Evaluate every complete checkpoint of the cell into `<out>/step_NNNNNN/`.
+
+    A step whose summary.json already holds the same checkpoint and test sets is kept (a
+    rerun after a kill continues where it stopped). Returns ({step: summary}, a report line).
+    """
+    from a2tgpo.eval.select import complete_checkpoints
+
+    cell, out = Path(cfg.run_dir), Path(out_dir)
+    ckpts = complete_checkpoints(cell)
+    if not ckpts:
+        raise FileNotFoundError(f"{cell / 'checkpoints'}: no complete checkpoint to evaluate")
+    test_sets = load_test_sets(test_paths)
+    names = sorted(s.name for s in test_sets)
+    summaries: dict[int, dict] = {}
+    todo = []
+    for step, model_dir in ckpts.items():
+        rel = str(model_dir.relative_to(cell))
+        done = out / step_dir_name(step) / SUMMARY_FILE
+        if done.is_file():
+            old = json.loads(done.read_text())
+            if old.get("checkpoint") == rel and sorted(old.get("datasets", {})) == names:
+                log.info("step %d: already evaluated (%s); kept", step, done)
+                summaries[step] = old
+                continue
+        todo.append((step, model_dir, rel))
+    timings = {}
+    engine = None
+    if todo:
+        retriever = _retriever(cfg)
+        try:
+            for step, model_dir, rel in todo:
+                summaries[step], engine, timings[step] = evaluate_checkpoint(
+                    cfg, model_dir, test_sets, out / step_dir_name(step), step=step,
+                    checkpoint=rel, criterion=None, label=f"step {step}", retriever=retriever,
+                    chunk=chunk, max_batch=max_batch, engine=engine, progress=progress)
+        finally:
+            retriever.close()
+
+        def log_all(tracker):
+            for step in sorted(timings):
+                tracker.log(tracked_metrics(summaries[step], "test_by_checkpoint"), step)
+
+        _track(cell, cfg, out, {}, log_all)
+    summaries = dict(sorted(summaries.items()))
+    n = sum(t["questions"] for t in timings.values())
+    secs = sum(t["rollout_seconds"] for t in timings.values())
+    curve = ", ".join(f"{s}: {v['groups'][ALL]['em']:.4f}" for s, v in summaries.items())
+    line = (f"{len(summaries)} checkpoints ({len(timings)} evaluated now, {n} questions in "
+            f"{secs:.1f} s); EM over all test questions by step: {curve} -> {out}")
+    return summaries, line
+
+
+def main(config_path: str, overrides: Sequence[str], *, test: Sequence[str], out_dir: str,
+         best: str | None = None, all_checkpoints: bool = False, section: str | None = None,
+         chunk: int = DEFAULT_CHUNK, max_batch: int = DEFAULT_MAX_BATCH) -> int:
+    """CLI entry (`a2tgpo evaluate`): exactly one of `best` / `all_checkpoints`."""
+    from a2tgpo.config import load_config
+
+    if (best is None) == (not all_checkpoints):
+        raise ValueError("give exactly one of --best and --all-checkpoints")
+    cfg = load_config(TrainConfig, config_path, overrides, section=section)
+    if all_checkpoints:
+        _, line = evaluate_all(cfg, test, out_dir, chunk=chunk, max_batch=max_batch)
+    else:
+        _, line = evaluate_best(cfg, best, test, out_dir, chunk=chunk, max_batch=max_batch)
+    print(line)
+    return 0

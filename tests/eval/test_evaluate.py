@@ -1,0 +1,194 @@
+"""Evaluation: sample-weighted averages by hand, input checks, and one end-to-end run of
+`a2tgpo evaluate` on the tiny toy cell (tests/eval/conftest.py)."""
+
+import json
+import math
+
+import pytest
+
+from a2tgpo.eval.evaluate import group_averages, load_test_sets, mean_metrics, write_results
+from a2tgpo.io import read_jsonl
+
+
+def _write_parquet(path, rows):
+    from a2tgpo.data.qa import _write_rows
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = [{"id": r["id"], "question": r.get("question", "q?"),
+             "golden_answers": r.get("golden_answers", ["a"]), "source": "s", "split": "test",
+             "group": r["group"], "hop_type": None, "hops": None} for r in rows]
+    _write_rows(path, full)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# averages by hand
+
+
+def test_group_averages_are_sample_weighted():
+    # multi_hop: A has 3 questions (EM 1, 1, 0), B has 1 (EM 0); single_hop: C has 2 (EM 1, 0)
+    preds = {"A": [{"em": 1.0, "f1": 1.0}, {"em": 1.0, "f1": 0.5}, {"em": 0.0, "f1": 0.0}],
+             "B": [{"em": 0.0, "f1": 0.25}],
+             "C": [{"em": 1.0, "f1": 1.0}, {"em": 0.0, "f1": 0.5}]}
+    groups = {"A": "multi_hop", "B": "multi_hop", "C": "single_hop"}
+    out = group_averages(preds, groups)
+    # multi_hop EM = (1+1+0+0)/4 = 0.5; the mean of dataset means would be (2/3 + 0)/2 = 1/3
+    assert out["multi_hop"]["n"] == 4 and out["multi_hop"]["em"] == pytest.approx(0.5)
+    # multi_hop F1 = (1 + 0.5 + 0 + 0.25)/4 = 0.4375
+    assert out["multi_hop"]["f1"] == pytest.approx(0.4375)
+    # single_hop EM = (1+0)/2 = 0.5, F1 = (1+0.5)/2 = 0.75
+    assert out["single_hop"] == pytest.approx({"n": 2, "em": 0.5, "f1": 0.75})
+    # all: EM = (1+1+0+0+1+0)/6 = 0.5; F1 = (1+0.5+0+0.25+1+0.5)/6 = 3.25/6
+    assert out["all"]["n"] == 6 and out["all"]["em"] == pytest.approx(0.5)
+    assert out["all"]["f1"] == pytest.approx(3.25 / 6)
+    assert list(out) == ["multi_hop", "single_hop", "all"]
+
+
+def test_written_summary_uses_weighted_group_means(tmp_path):
+    # datasets of 3 and 1 questions, one group: EM 3/3 and 0/1 -> group 3/4, not (1 + 0)/2
+    a = _write_parquet(tmp_path / "in" / "a.parquet",
+                       [{"id": f"a{i}", "group": "multi_hop"} for i in range(3)])
+    b = _write_parquet(tmp_path / "in" / "b.parquet", [{"id": "b0", "group": "multi_hop"}])
+    sets = load_test_sets([a, b])
+    row = {"f1": 0.0, "format_ok": True, "tool_calls": 2}
+    preds = {"a": [{**row, "em": 1.0}] * 3, "b": [{**row, "em": 0.0, "tool_calls": 0}]}
+    out = tmp_path / "eval"
+    summary = write_results(out, sets, preds, step=20, checkpoint="checkpoints/step_000020/model",
+                            criterion="dev_em", label="dev EM")
+    assert summary["groups"]["multi_hop"] == pytest.approx({"n": 4, "em": 0.75, "f1": 0.0})
+    assert summary["groups"]["all"]["em"] == pytest.approx(0.75)
+    assert json.loads((out / "summary.json").read_text()) == summary
+    rec = json.loads((out / "a.json").read_text())
+    assert rec == {"dataset": "a", "group": "multi_hop", "n": 3, "em": 1.0, "f1": 0.0,
+                   "format_ok": 1.0, "tool_calls": 2.0, "step": 20,
+                   "checkpoint": "checkpoints/step_000020/model", "criterion": "dev_em"}
+    assert json.loads((out / "b.json").read_text())["tool_calls"] == 0.0
+    assert len(read_jsonl(out / "a.predictions.jsonl")) == 3
+    assert sorted(p.name for p in out.iterdir()) == [
+        "a.json", "a.predictions.jsonl", "b.json", "b.predictions.jsonl", "summary.json"]
+
+
+def test_rewrite_replaces_the_whole_directory(tmp_path):
+    a = _write_parquet(tmp_path / "in" / "a.parquet", [{"id": "a0", "group": "g"}])
+    b = _write_parquet(tmp_path / "in" / "b.parquet", [{"id": "b0", "group": "g"}])
+    row = {"em": 1.0, "f1": 1.0, "format_ok": True, "tool_calls": 1}
+    out = tmp_path / "eval"
+    kw = dict(step=0, checkpoint="c", criterion=None, label="step 0")
+    write_results(out, load_test_sets([a, b]), {"a": [row], "b": [row]}, **kw)
+    write_results(out, load_test_sets([a]), {"a": [row]}, **kw)
+    # no stale b.json from the first run, and no temporary leftovers
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "a.predictions.jsonl",
+                                                     "summary.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_prediction_count_must_match_the_dataset(tmp_path):
+    a = _write_parquet(tmp_path / "a.parquet", [{"id": "a0", "group": "g"},
+                                                {"id": "a1", "group": "g"}])
+    with pytest.raises(ValueError, match="a.parquet: 1 predictions for 2 questions"):
+        write_results(tmp_path / "eval", load_test_sets([a]),
+                      {"a": [{"em": 1.0, "f1": 1.0, "format_ok": 1, "tool_calls": 0}]},
+                      step=0, checkpoint="c", criterion=None, label="x")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_mean_of_no_rows_is_zero_not_nan():
+    assert mean_metrics([]) == {"n": 0, "em": 0.0, "f1": 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# input checks
+
+
+def test_dataset_without_group_names_the_file_and_row(tmp_path):
+    p = _write_parquet(tmp_path / "nogroup.parquet", [{"id": "x0", "group": "multi_hop"},
+                                                      {"id": "x1", "group": ""}])
+    with pytest.raises(ValueError, match=r"nogroup.parquet: row 1 \(id 'x1'\) has no group"):
+        load_test_sets([p])
+
+
+def test_mixed_groups_duplicate_names_and_ids_are_errors(tmp_path):
+    mixed = _write_parquet(tmp_path / "mixed.parquet", [{"id": "m0", "group": "multi_hop"},
+                                                        {"id": "m1", "group": "single_hop"}])
+    with pytest.raises(ValueError, match=r"mixed.parquet: rows of several groups"):
+        load_test_sets([mixed])
+    a = _write_parquet(tmp_path / "a.parquet", [{"id": "q", "group": "g"}])
+    same_stem = _write_parquet(tmp_path / "other" / "a.parquet", [{"id": "r", "group": "g"}])
+    with pytest.raises(ValueError, match="dataset name 'a'"):
+        load_test_sets([a, same_stem])
+    dup = _write_parquet(tmp_path / "b.parquet", [{"id": "q", "group": "g"}])
+    with pytest.raises(ValueError, match=r"b.parquet: row 0: id 'q' also in .*a.parquet"):
+        load_test_sets([a, dup])
+    reserved = _write_parquet(tmp_path / "c.parquet", [{"id": "c", "group": "all"}])
+    with pytest.raises(ValueError, match="reserved"):
+        load_test_sets([reserved])
+    empty = _write_parquet(tmp_path / "e.parquet", [])
+    with pytest.raises(ValueError, match="e.parquet: no questions"):
+        load_test_sets([empty])
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        load_test_sets([tmp_path / "missing.parquet"])
+
+
+# --------------------------------------------------------------------------------------------
+# end to end
+
+
+@pytest.mark.slow
+def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
+    from a2tgpo.algo.rewards import exact_match, f1_score
+    from a2tgpo.cli import main
+    from a2tgpo.data.qa import load_split
+
+    answer, tests = toy_cell.answer, toy_cell.tests
+    cell, _ = own_cell
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 2,
+        "checkpoint": "checkpoints/step_000002/model", "value": 0.5,
+        "candidates": {"0": 0.5, "2": 0.5}}))
+    out = cell / "eval"
+    rc = main(["evaluate", str(cell / "config.yaml"), "--best", str(cell / "best.json"),
+               "--test", str(tests["ts"]), str(tests["tm"]), "--out", str(out),
+               "--max-batch", "4", "--chunk", "5"])  # several chunks and forward batches
+    assert rc == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("step 2 (dev EM): EM ") and str(out) in line
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["criterion"] == "dev_em"
+    assert summary["checkpoint"] == "checkpoints/step_000002/model"
+    total_em, total_n, hits = 0.0, 0, 0
+    for name, (group, n) in toy_cell.sets.items():
+        rows = load_split(tests[name])
+        preds = read_jsonl(out / f"{name}.predictions.jsonl")
+        assert len(preds) == n == len(rows)
+        assert [p["id"] for p in preds] == [r["id"] for r in rows]
+        for p, r in zip(preds, rows):
+            # the model was fitted to one script: it searched once and answered `answer`
+            assert p["prediction"] == answer and p["queries"] == [toy_cell.query]
+            assert p["tool_calls"] == 1 and p["stop"] == "answer"
+            # EM/F1 recomputed from the prediction by the reward module
+            assert p["em"] == exact_match(p["prediction"], r["golden_answers"])
+            assert p["f1"] == pytest.approx(f1_score(p["prediction"], r["golden_answers"]))
+            hits += p["em"] == 1.0
+        rec = json.loads((out / f"{name}.json").read_text())
+        assert rec["group"] == group and rec["n"] == n and rec["step"] == 2
+        assert rec["em"] == pytest.approx(sum(p["em"] for p in preds) / n)
+        assert rec["f1"] == pytest.approx(sum(p["f1"] for p in preds) / n)
+        assert rec["format_ok"] == pytest.approx(sum(p["format_ok"] for p in preds) / n)
+        assert rec["tool_calls"] == 1.0
+        assert summary["datasets"][name] == pytest.approx(
+            {"n": n, "em": rec["em"], "f1": rec["f1"], "group": group})
+        assert summary["groups"][group]["em"] == pytest.approx(rec["em"])  # one set per group
+        total_em += rec["em"] * n
+        total_n += n
+    # the answer is the first question's gold, so at least that question is right
+    assert hits >= 1
+    assert summary["groups"]["all"]["n"] == total_n == 8
+    assert summary["groups"]["all"]["em"] == pytest.approx(total_em / total_n)
+    assert math.isclose(summary["groups"]["all"]["em"], hits / 8)
+    # tracking went to <out>/tracking (the cell's summary.json and metrics.jsonl untouched)
+    logged = read_jsonl(out / "tracking" / "metrics.jsonl")
+    assert logged[0]["step"] == 2
+    assert logged[0]["test/all/em"] == pytest.approx(summary["groups"]["all"]["em"])
+    assert logged[0]["test/ts/em"] == pytest.approx(summary["datasets"]["ts"]["em"])
+    assert not (cell / "metrics.jsonl").exists()
