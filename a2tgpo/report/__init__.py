@@ -1,0 +1,355 @@
+"""Tables and plots from the grid's result cells (the last stage of the DAG).
+
+A *cell* is one training run of the grid, a directory
+
+    <runs>/backbone~<b>/method~<m>/beta~<beta>/seed~<s>/
+
+holding `config.yaml`, `metrics.jsonl` (read only through `a2tgpo.tracking.read_metrics`),
+`rollouts.jsonl`, `best.json` and `eval/summary.json`. The wildcard values are read back from
+the path exactly as written (β "0.3" stays "0.3").
+
+`ReportConfig` is the `report:` section of the study config: which methods form which table, in
+what order and under which labels, the dataset columns, and the metric. Its defaults lay out the
+papers' tables (A2TGPO Table 1, Tables 2/4, Figure 9; AT2PO Tables 2-3).
+
+`a2tgpo.report.tables` writes the tables (`a2tgpo tables`), `a2tgpo.report.plots` the figures
+(`a2tgpo plots`). This module holds what both share and imports neither matplotlib nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from a2tgpo.config import option
+
+log = logging.getLogger(__name__)
+
+SUMMARY = Path("eval") / "summary.json"
+WILDCARDS = ("backbone", "method", "beta", "seed")
+
+# the papers' labels for every method id of the method table (a2tgpo/algo/methods.py)
+_METHOD_LABELS = {
+    "react": "ReAct", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "tree_grpo": "Tree-GRPO",
+    "gigpo": "GiGPO", "igpo": "IGPO", "aepo": "AEPO", "at2po": "AT2PO", "a2tgpo": "A2TGPO",
+    "a2tgpo_tgn": "IGPO + turn-group norm", "a2tgpo_tgn_sqrt": "IGPO + TGN + D_t/√n",
+    "a2tgpo_release": "A2TGPO (released code)", "at2po_release": "AT2PO (released code)",
+    "at2po_random_grpo": "random tree + GRPO loss", "at2po_random_atpo": "random tree + ATPO",
+    "at2po_entropy_atpo": "entropy tree + ATPO", "at2po_child_mean": "AT2PO child-mean",
+    "at2po_leaf_mean": "AT2PO leaf-mean", "at2po_diff_parent": "AT2PO A=V−V_parent",
+    "at2po_diff_root": "AT2PO A=V−V_root", "at2po_diff_localglobal": "AT2PO A=L+G",
+}
+_BACKBONE_LABELS = {"qwen3-4b": "Qwen3-4B", "qwen3-8b": "Qwen3-8B", "qwen2.5-7b": "Qwen2.5-7B",
+                    "qwen2.5-7b-instruct": "Qwen2.5-7B-Instruct", "toy": "toy"}
+_DATASET_LABELS = {"hotpotqa": "HotpotQA", "2wikimultihopqa": "2Wiki", "musique": "MuSiQue",
+                   "bamboogle": "Bamboogle", "nq": "NQ", "triviaqa": "TriviaQA",
+                   "popqa": "PopQA"}
+_GROUP_LABELS = {"multi_hop": "Multi Avg", "single_hop": "Single Avg", "all": "All Avg"}
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """Layout of the tables and plots (the `report:` section of the study config)."""
+
+    metric: Literal["em", "f1"] = option(
+        "em", "Metric of every table and of the β curve: em (exact match) or f1. Printed ×100.")
+    decimals: int = option(1, "Decimals of the printed percentages (the papers print 2).")
+    backbones: tuple[str, ...] = option(
+        ("qwen3-4b", "qwen3-8b", "qwen2.5-7b"),
+        "Order of the backbone blocks; backbones in the results but not listed follow, sorted.")
+    backbone_labels: dict[str, str] = option(
+        doc="Display label per backbone id (ids not listed take the built-in label, else "
+        "are shown as they are).",
+        factory=lambda: dict(_BACKBONE_LABELS))
+    methods: tuple[str, ...] = option(
+        ("react", "grpo", "dapo", "gspo", "tree_grpo", "gigpo", "igpo", "aepo", "at2po",
+         "a2tgpo"),
+        "Rows of the main table (A2TGPO Table 1 order, with AT2PO from its Table 1 before "
+        "A2TGPO), and the methods of the training-curve, tool-call and time plots.")
+    method_labels: dict[str, str] = option(
+        doc="Display label per method id (main table and plot legends); ids not listed take "
+        "the built-in label, else are shown as they are.", factory=lambda: dict(_METHOD_LABELS))
+    datasets: tuple[str, ...] = option(
+        ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "nq", "triviaqa", "popqa"),
+        "Dataset column order within each group (Table 1). Datasets in the results but not "
+        "listed follow their group's listed ones, sorted.")
+    dataset_labels: dict[str, str] = option(
+        doc="Column label per dataset name (names not listed take the built-in label, else "
+        "are shown as they are).", factory=lambda: dict(_DATASET_LABELS))
+    dataset_prefixes: dict[str, str] = option(
+        doc="Name prefix -> label prefix: a dataset <prefix><name> is ordered and labelled like "
+        "<name>, its label led by the label prefix (the toy world's sets are toy_<paper set>).",
+        factory=lambda: {"toy_": "toy "})
+    groups: tuple[str, ...] = option(
+        ("multi_hop", "single_hop"),
+        "Column groups in order: each group's datasets, then its sample-weighted average "
+        "(eval/summary.json `groups`). Datasets of other groups follow, without an average.")
+    group_labels: dict[str, str] = option(
+        doc="Label of each group's average column.", factory=lambda: dict(_GROUP_LABELS))
+    show_all_average: bool = option(
+        False, "Add the average over every test sample (group `all`) as a last column "
+        "(the papers do not print it).")
+    ablation_a2tgpo: dict[str, str] = option(
+        doc="Rows (method id -> label) of the A2TGPO additive ablation (its Tables 2 and 4).",
+        factory=lambda: {"igpo": "IGPO", "a2tgpo_tgn": "+ turn-group norm",
+                         "a2tgpo_tgn_sqrt": "+ D_t/√n rescaling",
+                         "a2tgpo": "+ adaptive clip (= A2TGPO)"})
+    ablation_at2po: dict[str, str] = option(
+        doc="Rows (method id -> label) of the AT2PO additive ablation (its Table 2).",
+        factory=lambda: {"at2po_random_grpo": "random tree + GRPO loss",
+                         "at2po_random_atpo": "+ ATPO loss",
+                         "at2po_entropy_atpo": "+ entropy expansion",
+                         "at2po": "+ turn credit (= AT2PO)"})
+    credit_at2po: dict[str, str] = option(
+        doc="Rows (method id -> label) of the AT2PO credit-assignment schemes (its Table 3).",
+        factory=lambda: {"at2po": "A=V, child-weighted (AT2PO)",
+                         "at2po_release": "A=V, child-softmax (released code)",
+                         "at2po_child_mean": "A=V, child-mean",
+                         "at2po_leaf_mean": "A=V, leaf-mean",
+                         "at2po_diff_parent": "A=V−V_parent",
+                         "at2po_diff_root": "A=V−V_root",
+                         "at2po_diff_localglobal": "A=L+G"})
+    beta_method: str = option(
+        "a2tgpo", "Method of the β-sensitivity table and curve (A2TGPO Figure 9).")
+    beta_main: float = option(
+        0.3, "β of the β method's cells in the main and ablation tables and the other plots; "
+        "other methods run at several β show their β = 0 cells.")
+    beta_reference_methods: tuple[str, ...] = option(
+        ("grpo", "igpo"), "Methods drawn as horizontal reference lines in the β curve.")
+    advantage_methods: tuple[str, ...] = option(
+        ("grpo", "igpo", "a2tgpo"),
+        "Methods of the advantage-by-turn-position plots (A2TGPO Figures 4-5).")
+    jaccard_method: str = option(
+        "a2tgpo", "Method whose sampled rollouts give the Jaccard similarity plot (A2TGPO "
+        "Figure 1, App. C.5).")
+    tail_steps: int = option(
+        10, "The tool-call distribution averages the last this many logged training steps.")
+    smoothing: int = option(
+        1, "Moving-average window (in logged points) of the training curves; 1 = none.")
+    selection_labels: dict[str, str] = option(
+        doc="Caption wording of each checkpoint-selection criterion (used when a cell's "
+        "summary has no label).",
+        factory=lambda: {"dev_em": "dev-selected",
+                         "test_avg": "best test average (papers' protocol)"})
+    dpi: int = option(150, "Resolution of the PNG plots.")
+
+    def __post_init__(self) -> None:
+        if self.decimals < 0:
+            raise ValueError(f"decimals must be >= 0, got {self.decimals}")
+        if self.tail_steps < 1 or self.smoothing < 1 or self.dpi < 10:
+            raise ValueError("tail_steps and smoothing must be >= 1, dpi >= 10")
+
+    # ---- labels ---------------------------------------------------------------------------
+
+    def method_label(self, method: str) -> str:
+        return self.method_labels.get(method) or _METHOD_LABELS.get(method, method)
+
+    def backbone_label(self, backbone: str) -> str:
+        return self.backbone_labels.get(backbone) or _BACKBONE_LABELS.get(backbone, backbone)
+
+    def group_label(self, group: str) -> str:
+        return self.group_labels.get(group) or _GROUP_LABELS.get(group, f"{group} avg")
+
+    def dataset_key(self, name: str) -> tuple[str, str]:
+        """(base name used for ordering and labels, label prefix) of a dataset name."""
+        if name in self.datasets or name in self.dataset_labels or name in _DATASET_LABELS:
+            return name, ""
+        for prefix, shown in self.dataset_prefixes.items():
+            if prefix and name.startswith(prefix):
+                return name[len(prefix):], shown
+        return name, ""
+
+    def dataset_label(self, name: str) -> str:
+        base, shown = self.dataset_key(name)
+        return shown + (self.dataset_labels.get(base) or _DATASET_LABELS.get(base, base))
+
+    def order_backbones(self, present) -> list[str]:
+        present = set(present)
+        return ([b for b in self.backbones if b in present]
+                + sorted(present - set(self.backbones)))
+
+
+def load_report_config(config: str | Path | None, section: str | None = None) -> ReportConfig:
+    """The report section from a file (a resolved section, or `section` of a study config);
+    the defaults without a file."""
+    if config is None:
+        return ReportConfig()
+    from a2tgpo.config import load_config
+
+    return load_config(ReportConfig, config, section=section)
+
+
+
+class ReportInputError(ValueError):
+    """A result file the report reads is malformed; the message names the file and the key."""
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One grid cell: its directory and the wildcard values read from the path."""
+
+    path: Path
+    backbone: str
+    method: str
+    beta: str
+    seed: str
+    _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def beta_value(self) -> float:
+        return _number(self.beta, f"{self.path}: beta~{self.beta}")
+
+    @property
+    def seed_key(self) -> tuple:
+        return (0, int(self.seed), "") if self.seed.lstrip("-").isdigit() else (1, 0, self.seed)
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / SUMMARY
+
+    def summary(self) -> dict | None:
+        """eval/summary.json, validated; None when the cell has not been evaluated."""
+        if "summary" not in self._cache:
+            path = self.summary_path
+            self._cache["summary"] = load_summary(path) if path.exists() else None
+        return self._cache["summary"]
+
+    def metrics(self) -> list[dict] | None:
+        """metrics.jsonl rows (via a2tgpo.tracking.read_metrics); None when there is none."""
+        if "metrics" not in self._cache:
+            from a2tgpo.tracking import METRICS_FILE, read_metrics
+
+            exists = (self.path / METRICS_FILE).exists()
+            self._cache["metrics"] = read_metrics(self.path) if exists else None
+        return self._cache["metrics"]
+
+
+_WILDCARD_RE = re.compile(r"^(backbone|method|beta|seed)~(.+)$")
+
+
+def _number(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ReportInputError(f"{where}: not a number") from None
+    if not math.isfinite(value):
+        raise ReportInputError(f"{where}: not a finite number")
+    return value
+
+
+def parse_cell(path: str | Path) -> Cell:
+    """The cell of a directory `.../backbone~b/method~m/beta~x/seed~s` (the last occurrence of
+    each wildcard in the path counts). A path that lacks one fails, naming it."""
+    path = Path(path)
+    found: dict[str, str] = {}
+    for part in path.parts:
+        m = _WILDCARD_RE.match(part)
+        if m:
+            found[m.group(1)] = m.group(2)
+    missing = [w for w in WILDCARDS if w not in found]
+    if missing:
+        raise ReportInputError(
+            f"{path}: not a cell directory (no {', '.join(w + '~' for w in missing)} component; "
+            "expected .../backbone~<b>/method~<m>/beta~<beta>/seed~<s>)")
+    return Cell(path, found["backbone"], found["method"], found["beta"], found["seed"])
+
+
+def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
+    """The cells to report on: the explicit list (cell directories, or files inside a cell
+    such as its eval/summary.json, as a Snakemake rule passes them), else every
+    `backbone~*/method~*/beta~*/seed~*` directory under `runs`. Sorted by wildcards."""
+    found: dict[Path, Cell] = {}
+    if cells:
+        for given in cells:
+            p = Path(given)
+            # walk up from a file inside the cell to the seed~ directory
+            while p.name and not p.name.startswith("seed~") and p != p.parent:
+                p = p.parent
+            cell = parse_cell(p if p.name.startswith("seed~") else Path(given))
+            found[cell.path] = cell
+    elif runs is not None:
+        runs = Path(runs)
+        if not runs.is_dir():
+            raise FileNotFoundError(f"{runs}: runs directory not found")
+        for p in sorted(runs.glob("backbone~*/method~*/beta~*/seed~*")):
+            if p.is_dir():
+                found[p] = parse_cell(p)
+    else:
+        raise ValueError("give a runs directory or a list of cells")
+    return sorted(found.values(), key=lambda c: (c.backbone, c.method, c.beta_value, c.seed_key))
+
+
+def load_summary(path: str | Path) -> dict:
+    """Read and check an eval/summary.json; errors name the file and the key."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ReportInputError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    for key in ("datasets", "groups"):
+        if not isinstance(data.get(key), dict):
+            raise ReportInputError(f"{path}: {key}: missing or not an object")
+    for section in ("datasets", "groups"):
+        for name, entry in data[section].items():
+            if not isinstance(entry, dict):
+                raise ReportInputError(f"{path}: {section}.{name}: expected an object")
+            for metric in ("em", "f1"):
+                v = entry.get(metric)
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                                      or not math.isfinite(v) or not 0.0 <= v <= 1.0):
+                    raise ReportInputError(
+                        f"{path}: {section}.{name}.{metric}: expected a fraction in [0, 1], "
+                        f"got {v!r}")
+    return data
+
+
+def selection_label(cfg: ReportConfig, summary: dict) -> str:
+    """How the cell's evaluated checkpoint was chosen, in caption words."""
+    label = summary.get("label")
+    if isinstance(label, str) and label:
+        return label
+    criterion = summary.get("criterion")
+    return cfg.selection_labels.get(criterion, str(criterion or "unknown selection"))
+
+
+def by_method(cells) -> dict[tuple[str, str], dict[str, list[Cell]]]:
+    """{(backbone, method): {beta: [cells sorted by seed]}}."""
+    out: dict[tuple[str, str], dict[str, list[Cell]]] = defaultdict(lambda: defaultdict(list))
+    for c in cells:
+        out[(c.backbone, c.method)][c.beta].append(c)
+    for betas in out.values():
+        for seeds in betas.values():
+            seeds.sort(key=lambda c: c.seed_key)
+    return out
+
+
+def pick_cells(cfg: ReportConfig, grouped: dict[str, list[Cell]], method: str,
+               where: str) -> list[Cell]:
+    """The seeds that represent `method` in the main and ablation tables and the plots.
+
+    A method run at one β: those cells. At several β: the β method's cells at `beta_main`,
+    any other method's at β = 0 (the β sweep has its own table); absent -> [] and a note.
+    """
+    if not grouped:
+        return []
+    if len(grouped) == 1:
+        return next(iter(grouped.values()))
+    want = cfg.beta_main if method == cfg.beta_method else 0.0
+    for beta, seeds in grouped.items():
+        if math.isclose(_number(beta, f"beta~{beta}"), want, abs_tol=1e-12):
+            return seeds
+    log.info("%s: %s has cells at β %s but none at β %g; left out", where, method,
+             ", ".join(sorted(grouped)), want)
+    return []
