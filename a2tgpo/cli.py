@@ -235,6 +235,32 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_select(args) -> int:
+    from a2tgpo.eval.select import SelectionError, write_best
+
+    try:
+        best = write_best(args.cell, args.criterion, out=args.out, eval_all_dir=args.eval_all)
+    except SelectionError as e:  # the cell's files lack what selection needs: say which
+        print(f"a2tgpo select: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.cell}: step {best['step']} by {best['label']} ({best['value']:.4f}; "
+          f"{len(best['candidates'])} candidates) -> {best['checkpoint']}")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from a2tgpo.eval import evaluate
+    from a2tgpo.eval.select import SelectionError
+
+    try:
+        return evaluate.main(args.config, args.overrides, test=args.test, out_dir=args.out,
+                             best=args.best, all_checkpoints=args.all_checkpoints,
+                             section=args.section, chunk=args.chunk, max_batch=args.max_batch)
+    except SelectionError as e:
+        print(f"a2tgpo evaluate: error: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -444,6 +470,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_args(p, "train")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "select",
+        help="choose a cell's checkpoint (dev EM, or the papers' best test average)",
+        description="Pick the checkpoint of a grid cell that the tables report and write "
+        "best.json atomically: by default the best greedy dev EM (val/em in metrics.jsonl) "
+        "among steps with a complete checkpoint; with --criterion test_avg the best "
+        "sample-weighted test average over eval_all/step_*/summary.json (written by `evaluate "
+        "--all-checkpoints`), the papers' protocol. Ties go to the earliest step.",
+        formatter_class=fmt,
+    )
+    p.add_argument("cell", help="grid cell directory (config.yaml, metrics.jsonl, checkpoints/)")
+    p.add_argument("--criterion", choices=["dev_em", "test_avg"], default="dev_em",
+                   help="selection rule (default: dev_em)")
+    p.add_argument("--out", default=None, help="output file (default: <cell>/best.json)")
+    p.add_argument("--eval-all", default=None,
+                   help="test_avg: the evaluate --all-checkpoints folder "
+                   "(default: <cell>/eval_all)")
+    p.set_defaults(func=cmd_select)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="greedy test-set evaluation of the selected checkpoint (or of every checkpoint)",
+        description="Roll out the checkpoint named by best.json (or, with --all-checkpoints, "
+        "every complete checkpoint into <out>/step_NNNNNN/) greedily on every test set, with "
+        "training's validation code, and write per-dataset EM/F1 (<dataset>.json), predictions "
+        "(<dataset>.predictions.jsonl) and summary.json with sample-weighted group averages; "
+        "the metrics also go to the cell's MLflow run. The dataset name is the parquet stem, "
+        "its group the rows' `group` column.",
+        epilog=EPILOG_OVERRIDES,
+        formatter_class=fmt,
+    )
+    _config_args(p, "train")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--best", help="best.json written by `a2tgpo select`")
+    which.add_argument("--all-checkpoints", action="store_true",
+                       help="evaluate every complete checkpoint (for --criterion test_avg)")
+    p.add_argument("--test", nargs="+", required=True, help="prepared test parquet files")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--chunk", type=int, default=1024,
+                   help="questions per rollout call, all test sets pooled (default 1024)")
+    p.add_argument("--max-batch", type=int, default=256,
+                   help="hf engine: sequences per forward pass (default 256)")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser(
         "methods",
