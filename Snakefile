@@ -13,6 +13,8 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/index.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

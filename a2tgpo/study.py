@@ -27,7 +27,15 @@ from a2tgpo.data.world import WorldConfig
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
+from a2tgpo.grid import CellSet, GridConfig, TrainSection, validate_grid
+from a2tgpo.tracking import TrackingConfig
 from a2tgpo.train.sft import SftConfig
+
+
+def _default_grid() -> GridConfig:
+    from a2tgpo.algo.methods import METHODS
+
+    return GridConfig(sets={"main": CellSet(methods=tuple(sorted(METHODS)))})
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,13 @@ class StudyConfig:
     sft: SftConfig = option(
         doc="Warm-start of built (toy) backbones on scripted demonstrations.", factory=SftConfig
     )
+    methods_dir: str = option("config/methods", "Where <method id>.yaml files live.")
+    grid: GridConfig = option(doc="Named sets of cells (backbone x method x beta x seed).",
+                              factory=_default_grid)
+    train: TrainSection = option(doc="Settings shared by every cell's training run.",
+                                 factory=TrainSection)
+    tracking: TrackingConfig = option(doc="metrics.jsonl + MLflow (one run per cell).",
+                                      factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         if not self.study or "/" in self.study:
@@ -98,6 +113,7 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
         cfg = load_backbone_config(path)
         if cfg.id != b:
             raise ConfigError(f"{path}: id: {cfg.id!r} does not match the file name {b!r}")
+    validate_grid(study.grid, study.backbones, study.methods_dir, source)
     return study
 
 

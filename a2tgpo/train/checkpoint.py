@@ -143,6 +143,7 @@ def save_checkpoint(
     trainer_state: dict,
     keep_last: int,
     keep_steps: set[int] | frozenset[int] = frozenset(),
+    extra_state=None,
 ) -> Path:
     """Write `run_dir/checkpoints/step_{step:06d}/` atomically, then prune old checkpoints.
 
@@ -151,6 +152,9 @@ def save_checkpoint(
     `weights_only=True`). After the save, the last `keep_last` complete checkpoints, those whose
     step is in `keep_steps` (e.g. the ones checkpoint selection needs) and this one are kept;
     other checkpoints and leftovers of killed saves are deleted. Returns the checkpoint path.
+
+    `optimizer` None: no optimizer state in state.pt (a training backend that shards it saves
+    it through `extra_state(tmp_dir)`, called before the checkpoint is marked complete).
     """
     import torch
 
@@ -167,7 +171,7 @@ def save_checkpoint(
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         torch.save({
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": _rng_state(),
             "trainer_state": trainer_state,
@@ -181,6 +185,8 @@ def save_checkpoint(
             "file_sizes": _file_sizes(tmp),
             "trainer_state": trainer_state,
         })
+        if extra_state is not None:
+            extra_state(tmp)
         (tmp / COMPLETE).write_text(f"{step}\n")
     log.info("saved checkpoint %s (%.1fs)", path, time.time() - started)
     prune_checkpoints(run_dir, keep_last=keep_last, keep_steps=set(keep_steps) | {step})
@@ -265,6 +271,8 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None,
     _load_weights(model, path / "model", map_location)
     state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
     if optimizer is not None:
+        if state["optimizer"] is None:
+            raise ValueError(f"{path} holds no optimizer state (saved by a sharded backend)")
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
         if state["scheduler"] is None:

@@ -110,6 +110,8 @@ class Backend(Protocol):
 
     def broadcast_object(self, obj: Any) -> Any: ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
     def barrier(self) -> None: ...
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -262,6 +264,9 @@ class SingleBackend:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
@@ -406,6 +411,12 @@ class DeepSpeedBackend:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (picklable objects)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         dist.barrier()

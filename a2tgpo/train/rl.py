@@ -173,7 +173,14 @@ def per_turn_tensor(values: list[list[float]], K: int, fill: float) -> torch.Ten
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) one training job; returns the final summary."""
+    """Run (or resume) one training job; returns the final summary.
+
+    Under `backend: deepspeed` every rank runs this function (started by the `deepspeed`
+    launcher or srun): each rank rolls out and scores its share of the step's questions, the
+    trajectories are gathered so every rank holds the whole batch in the same order, and each
+    update splits the mini-batch's rows over the ranks with the mini-batch's global counts
+    (see a2tgpo/train/distributed.py). Rank 0 alone writes the run folder and tracks.
+    """
     from a2tgpo.model.backbone import load_model, load_tokenizer
     from a2tgpo.retrieval.retriever import build_retriever
     from a2tgpo.tracking import Tracker
@@ -187,11 +194,26 @@ def train(cfg: TrainConfig) -> dict:
     )
 
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
+    distributed = cfg.backend == "deepspeed"
+    if distributed:
+        from a2tgpo.train.distributed import init_distributed
+
+        info = init_distributed()
+        rank, device = info.rank, str(info.device)
+        if cfg.zero_stage == 3:
+            raise ValueError(
+                f"{run_dir / 'config.yaml'}: zero_stage 3 is not supported by the RL loop: ZeRO-3 "
+                "shards the parameters, so each rank's rollouts and log-prob passes would need "
+                "lockstep forwards on every rank; use zero_stage 1 or 2")
+    else:
+        rank = 0
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available()
+                                                          else "cpu")
+    main = rank == 0
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.seed)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available()
-                                                      else "cpu")
     tok = load_tokenizer(cfg.backbone)
     model = load_model(cfg.backbone, device)
     method, sched = cfg.method, cfg.schedule
@@ -214,30 +236,41 @@ def train(cfg: TrainConfig) -> dict:
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=epochs)
     retriever = build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
     tool = SearchTool(retriever, tok, cfg.rollout)
-    engine = _make_engine(cfg, model, tok)
 
     start, best = 0, {"step": None, "val_em": -1.0}
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler)
+        # weights (and, single process, the optimizer) before the backend wraps them
+        state = load_checkpoint(ckpt, model=model,
+                                optimizer=None if distributed else optimizer,
+                                scheduler=scheduler)
         start, best = state["step"], state["best"]
         order.load_state_dict(state["data_order"])
         log.info("resumed from %s (step %d)", ckpt, start)
+    backend = _make_backend(cfg, model, optimizer)
+    if ckpt is not None and distributed:
+        backend.load_state(ckpt / "backend")
+    engine = _make_engine(cfg, backend.unwrapped, tok)
 
     tags = {"method": method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
             "beta": str(method.advantage.beta), "gamma": str(method.advantage.gamma),
-            "cell": cfg.cell}
+            "cell": cfg.cell, "stage": "train"}
+    if main:
+        tracker = Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or method.id,
+                          tags=tags, params=_flat(to_dict(cfg)),
+                          config_file=run_dir / "config.yaml", results_dir=cfg.results_dir)
+    else:
+        tracker = _NoTracker()
     summary: dict = {}
-    with Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or method.id,
-                 tags=tags, params=_flat(to_dict(cfg)), config_file=run_dir / "config.yaml",
-                 results_dir=cfg.results_dir) as tracker, \
-            PreemptionHandler() as preempt:
+    with tracker, PreemptionHandler() as preempt:
 
         def validate(step: int) -> float:
-            model.eval()
+            backend.unwrapped.eval()
             t0 = time.perf_counter()
-            trajs = rollout(cfg, dev_qs, engine, tool, seed=10_000_019, greedy=True)
-            trajs = score(cfg, tok, trajs, training=False)
+            mine = dev_qs[backend.rank::backend.world_size]
+            trajs = score(cfg, tok, rollout(cfg, mine, engine, tool, seed=10_000_019,
+                                            greedy=True), training=False)
+            trajs = [t for part in backend.all_gather_object(trajs) for t in part]
             em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
             metrics = {"val/em": em,
                        "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
@@ -247,47 +280,113 @@ def train(cfg: TrainConfig) -> dict:
             tracker.log(metrics, step)
             if em > best["val_em"]:
                 best.update(step=step, val_em=em)
-            log.info("step %d validation: EM %.3f on %d dev questions", step, em, len(trajs))
+            if main:
+                log.info("step %d validation: EM %.3f on %d dev questions", step, em,
+                         len(trajs))
             return em
 
         def checkpoint(step: int) -> None:
+            def backend_state(tmp: Path | None) -> None:
+                # every rank writes its optimizer shard into the directory rank 0 is building
+                where = backend.broadcast_object(str(tmp) if tmp is not None else None)
+                backend.save_state(Path(where) / "backend")
+                backend.barrier()
+
+            if not main:
+                backend_state(None)
+                return
             keep = {best["step"]} if best["step"] is not None else set()
-            save_checkpoint(run_dir, step, model=model, tokenizer=tok, optimizer=optimizer,
+            save_checkpoint(run_dir, step, model=backend.unwrapped, tokenizer=tok,
+                            optimizer=None if distributed else optimizer,
                             scheduler=scheduler, keep_last=sched.keep_last, keep_steps=keep,
                             trainer_state={"step": step, "best": dict(best),
-                                           "data_order": order.state_dict()})
+                                           "data_order": order.state_dict()},
+                            extra_state=backend_state if distributed else None)
 
-        if start == 0 and method.train:
+        if start == 0:
             validate(0)
             checkpoint(0)
         if not method.train:  # ReAct: evaluation of the starting policy only
-            validate(0)
-            checkpoint(0)
             start = sched.steps
         from tqdm import tqdm
 
         bar = tqdm(range(start, sched.steps), desc=f"{method.id} seed {cfg.seed}", unit="step",
-                   initial=start, total=sched.steps)
+                   initial=start, total=sched.steps, disable=not main)
         for step in bar:
-            metrics = _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler,
-                                  engine, tool, train_qs, order, device)
+            metrics, sample = _train_step(cfg, step, backend, ref_model, tok, scheduler, engine,
+                                          tool, train_qs, order)
             done = step + 1
             if done % sched.eval_every == 0 or done == sched.steps:
                 metrics["val/em"] = validate(done)
             tracker.log(metrics, done)
+            if main and (step == 0 or done % sched.eval_every == 0 or done == sched.steps):
+                _write_rollouts(run_dir / ROLLOUTS_FILE, done, sample)
             bar.set_postfix(reward=f"{metrics['train/reward']:.2f}",
                             em=f"{metrics['train/em']:.2f}")
-            log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
-                     metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
-                     metrics["rollout/tool_calls"], metrics["time/step"])
-            if done % sched.save_every == 0 or done == sched.steps or preempt.requested:
+            if main:
+                log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
+                         metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
+                         metrics["rollout/tool_calls"], metrics["time/step"])
+            stop = backend.all_reduce_sum(float(preempt.requested)) > 0
+            if done % sched.save_every == 0 or done == sched.steps or stop:
                 checkpoint(done)
-            if preempt.requested:
+            if stop:
                 log.warning("preemption requested: saved step %d, exiting", done)
+                backend.close()
                 raise SystemExit(EXIT_PREEMPTED)
         summary = {"steps": sched.steps, "best_step": best["step"], "best_val_em": best["val_em"]}
         tracker.summary(summary)
+    backend.close()
     return summary
+
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def _write_config(cfg: TrainConfig, path: Path) -> None:
+    """The resolved config beside the results; left untouched when it already says the same
+    (the DAG's cell config is this file, and rewriting it would look like a new input)."""
+    from a2tgpo.config import dump_yaml
+
+    text = dump_yaml(to_dict(cfg))
+    if not path.exists() or path.read_text() != text:
+        dump_config(cfg, path)
+
+
+class _NoTracker:
+    """What ranks other than 0 log to: nothing (rank 0 logs the gathered batch)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def log(self, metrics, step) -> None:
+        pass
+
+    def summary(self, metrics) -> None:
+        pass
+
+
+def _make_backend(cfg: TrainConfig, model, optimizer):
+    from a2tgpo.train.distributed import DeepSpeedBackend, SingleBackend
+
+    if cfg.backend == "single":
+        return SingleBackend(model, optimizer, cfg.optim.grad_clip)
+    return DeepSpeedBackend(model, optimizer, zero_stage=cfg.zero_stage,
+                            grad_clip=cfg.optim.grad_clip,
+                            micro_batch_size=cfg.schedule.micro_batch_size)
+
+
+def _write_rollouts(path: Path, step: int, trajs: list[dict]) -> None:
+    """Append one step's sampled trajectories (turn texts and queries) for the similarity
+    and tool-call plots; one JSON line per trajectory."""
+    import json
+
+    with open(path, "a") as f:
+        for t in trajs:
+            f.write(json.dumps({"step": step, **t}) + "\n")
 
 
 def _make_engine(cfg: TrainConfig, model, tok):
@@ -301,10 +400,22 @@ def _make_engine(cfg: TrainConfig, model, tok):
                       seed=cfg.seed)
 
 
-def _batched_logprobs(model, batch: Batch, size: int, device) -> torch.Tensor:
-    B = len(batch)
-    return torch.cat([token_logprobs(model, batch, list(range(s, min(B, s + size))),
-                                     device=device)[0].cpu() for s in range(0, B, size)])
+def _batched_logprobs(model, batch: Batch, rows: list[int], size: int, device) -> torch.Tensor:
+    """token_logprobs of `rows` in micro-batches of `size`. -> (len(rows), L)"""
+    if not rows:
+        return torch.zeros(0, batch.input_ids.shape[1])
+    return torch.cat([token_logprobs(model, batch, rows[s: s + size], device=device)[0].cpu()
+                      for s in range(0, len(rows), size)])
+
+
+def _gather_rows(backend, x: torch.Tensor, mine: list[int]) -> torch.Tensor:
+    """Rows `mine` of x come from this rank; after the gather every rank has all rows."""
+    if backend.world_size == 1:
+        return x
+    out = x.clone()
+    for rows, vals in backend.all_gather_object((mine, x[mine])):
+        out[rows] = vals
+    return out
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -317,26 +428,36 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, tool, train_qs,
-                order, device) -> dict:
+def _gather(backend, items: list) -> list:
+    """Concatenate every rank's list, in rank order (the same list on every rank)."""
+    if backend.world_size == 1:
+        return items
+    return [x for part in backend.all_gather_object(items) for x in part]
+
+
+def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, train_qs,
+                order) -> tuple[dict, list[dict]]:
     method, sched = cfg.method, cfg.schedule
+    model, device = backend.unwrapped, backend.device
+    rank, world = backend.rank, backend.world_size
     timings: dict[str, float] = defaultdict(float)
     tic = time.perf_counter()
     seed = cfg.seed * 1_000_003 + step
 
-    # 1-4. prompts, rollouts, rewards, dynamic sampling --------------------------------------
+    # 1-4. prompts, rollouts (each rank its share of the questions), rewards, dynamic sampling
     model.eval()
     kept: list[Trajectory] = []
     gen_batches = 0
     want = sched.prompts_per_step
+    calls_before = tool.calls
     while True:
         gen_batches += 1
         n_prompts = want * (method.dapo.gen_batch_multiplier
                             if method.dapo.dynamic_sampling else 1)
-        qs = [train_qs[i] for i in order.next_batch(n_prompts)]
+        # every rank draws the same questions (same data order), then keeps its share
+        qs = [train_qs[i] for i in order.next_batch(n_prompts)][rank::world]
         t0 = time.perf_counter()
-        calls_before = tool.calls
-        trajs = rollout(cfg, qs, engine, tool, seed=seed + 7919 * gen_batches)
+        trajs = rollout(cfg, qs, engine, tool, seed=seed + 7919 * gen_batches + 104_729 * rank)
         timings["rollout"] += time.perf_counter() - t0
         trajs = score(cfg, tok, trajs, training=True)
         if method.dapo.overlong_buffer:
@@ -348,6 +469,7 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
             from dataclasses import replace
 
             trajs = [replace(t, reward=t.reward + float(p)) for t, p in zip(trajs, pen)]
+        trajs = _gather(backend, trajs)
         if not method.dapo.dynamic_sampling:
             kept = trajs
             break
@@ -364,32 +486,47 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
                 f"groups with reward spread after {gen_batches} generation batches "
                 "(dapo.max_num_gen_batches); the policy's rewards are nearly constant")
     trajs = kept
-    retrieval_calls = tool.calls - calls_before
+    retrieval_calls = int(backend.all_reduce_sum(float(tool.calls - calls_before)))
 
-    # 5. information gain + old log-probs (one fused forward), reference log-probs ----------
+    # 5. information gain + old log-probs (one fused forward), reference log-probs: each rank
+    # scores rows rank::world, then the rows are gathered back into batch order
     batch = collate(trajs, tok.pad_token_id)
     B, L = batch.input_ids.shape
+    mine = list(range(rank, B, world))
     igs = None
     t0 = time.perf_counter()
     ig_stats = {}
+    old = torch.zeros(B, L)
     if method.info_gain.enabled:
-        igs, fused, ig_stats = information_gains(cfg, model, tok, trajs, device)
-        old = torch.zeros(B, L)
-        for b, lp in enumerate(fused):
-            old[b, 1: 1 + len(lp)] = torch.tensor(lp)
+        my_igs, fused, my_stats = information_gains(cfg, model, tok, [trajs[b] for b in mine],
+                                                    device)
+        igs = [None] * B
+        parts = backend.all_gather_object((mine, my_igs, fused, my_stats)) if world > 1 else \
+            [(mine, my_igs, fused, my_stats)]
+        ig_stats = defaultdict(float)
+        for rows, part_igs, part_lps, part_stats in parts:
+            for b, ig_b, lp in zip(rows, part_igs, part_lps):
+                igs[b] = ig_b
+                old[b, 1: 1 + len(lp)] = torch.tensor(lp)
+            for k, v in part_stats.items():
+                ig_stats[k] += v
         timings["info_gain+old_logprob"] = time.perf_counter() - t0
     else:
         with torch.no_grad():
-            old = _batched_logprobs(model, batch, sched.micro_batch_size, device)
+            old[mine] = _batched_logprobs(model, batch, mine, sched.micro_batch_size, device)
+        old = _gather_rows(backend, old, mine)
         timings["old_logprob"] = time.perf_counter() - t0
     ref = None
     if ref_model is not None:
         t0 = time.perf_counter()
+        ref = torch.zeros(B, L)
         with torch.no_grad():
-            ref = _batched_logprobs(ref_model, batch, sched.micro_batch_size, device)
+            ref[mine] = _batched_logprobs(ref_model, batch, mine, sched.micro_batch_size,
+                                          device)
+        ref = _gather_rows(backend, ref, mine)
         timings["ref_logprob"] = time.perf_counter() - t0
 
-    # 6. advantages per turn -> tokens --------------------------------------------------------
+    # 6. advantages per turn -> tokens (every rank, on the whole batch: same result) ---------
     t0 = time.perf_counter()
     K = batch.turn_mask.shape[1]
     per_turn = turn_advantages(method, advantage_inputs(tok, trajs, igs))
@@ -401,27 +538,37 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
         clip_BT = gather_turns(clip_BK, batch.turn_id, fill=1.0)
     timings["advantage"] = time.perf_counter() - t0
 
-    # 7. updates: ppo_epochs x mini-batches (by prompt) x micro-batches ----------------------
-    model.train()
+    # 7. updates: ppo_epochs x mini-batches (by prompt) x micro-batches. Each rank takes rows
+    # rank::world of a mini-batch; the counts are the whole mini-batch's, and dp_size = world
+    # makes the average over ranks the unsplit loss (masks.aggregate_loss)
+    backend.unwrapped.train()
     t0 = time.perf_counter()
     groups = list(dict.fromkeys(batch.group_ids))
     loss_log: dict[str, list[float]] = defaultdict(list)
     clip_by_turn: dict[int, list[float]] = defaultdict(list)
     grad_norms = []
     rng = random.Random(seed)
+    need_ent = method.loss.entropy_coef > 0 or method.loss.entropy_adv_alpha > 0
+    norm_length = cfg.rollout.max_response_tokens
     for _ in range(sched.ppo_epochs):
         order_groups = groups[:]
         rng.shuffle(order_groups)
         for m in range(0, len(order_groups), sched.mini_batch_prompts):
-            mine = set(order_groups[m: m + sched.mini_batch_prompts])
-            rows = [b for b in range(B) if batch.group_ids[b] in mine]
+            chosen = set(order_groups[m: m + sched.mini_batch_prompts])
+            rows = [b for b in range(B) if batch.group_ids[b] in chosen]
             tokens, seqs = local_denominators(batch.loss_mask[rows])
-            for s in range(0, len(rows), sched.micro_batch_size):
-                mb = rows[s: s + sched.micro_batch_size]
-                need_ent = method.loss.entropy_coef > 0 or method.loss.entropy_adv_alpha > 0
-                logp, ent = token_logprobs(model, batch, mb, with_entropy=need_ent,
-                                           device=device)
+            my_rows = rows[rank::world]
+            # every rank makes the same number of forward/backward calls (ZeRO collectives);
+            # a rank short of rows runs a micro-batch whose loss mask is all zero
+            n_micro = math.ceil(math.ceil(len(rows) / world) / sched.micro_batch_size)
+            for i in range(n_micro):
+                mb = my_rows[i * sched.micro_batch_size: (i + 1) * sched.micro_batch_size]
                 mask = batch.loss_mask[mb].to(device)
+                if not mb:
+                    mb = rows[:1]
+                    mask = torch.zeros_like(batch.loss_mask[mb]).to(device)
+                logp, ent = token_logprobs(backend.model, batch, mb, with_entropy=need_ent,
+                                           device=device)
                 adv = adv_BT[mb].to(device)
                 if method.loss.entropy_adv_alpha > 0:
                     adv = entropy_aware_advantage(adv_BT=adv, entropy_BT=ent.detach(),
@@ -434,41 +581,43 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
                     clip_scale_BT=None if clip_BT is None else clip_BT[mb].to(device),
                     dual_clip=method.loss.dual_clip, upper_clip=method.loss.upper_clip,
                     turn_id_BT=batch.turn_id[mb].to(device), K=K, global_tokens=tokens,
-                    global_seqs=seqs, norm_length=cfg.rollout.max_response_tokens)
+                    global_seqs=seqs, dp_size=world, norm_length=norm_length)
                 loss = pg
                 if ref is not None:
                     kl = kl_penalty(logp_BT=logp, ref_logp_BT=ref[mb].to(device),
                                     kind=method.loss.kl_kind)
                     kl_term = aggregate_loss(kl, mask, method.loss.agg_mode,
                                              global_tokens=tokens, global_seqs=seqs,
-                                             norm_length=cfg.rollout.max_response_tokens)
+                                             dp_size=world, norm_length=norm_length)
                     loss = loss + method.loss.kl_coef * kl_term
-                    loss_log["kl"].append(float(kl_term.detach()))
+                    loss_log["kl"].append(float(kl_term.detach()) / world)
                 if method.loss.entropy_coef > 0:
                     ent_term = aggregate_loss(ent, mask, method.loss.agg_mode,
                                               global_tokens=tokens, global_seqs=seqs,
-                                              norm_length=cfg.rollout.max_response_tokens)
+                                              dp_size=world, norm_length=norm_length)
                     loss = loss - method.loss.entropy_coef * ent_term
-                loss.backward()
-                loss_log["total"].append(float(loss.detach()))
-                loss_log["pg"].append(float(pg.detach()))
+                backend.backward(loss)
+                # each term carries the factor `world`: / world makes the sum over ranks the
+                # unsplit mini-batch's value
+                loss_log["total"].append(float(loss.detach()) / world)
+                loss_log["pg"].append(float(pg.detach()) / world)
+                if not mask.any():
+                    continue
                 for key in ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ppo_kl",
                             "ratio_mean"):
                     if key in diag and torch.isfinite(torch.as_tensor(diag[key])):
                         loss_log[key].append(float(diag[key]))
                 for k, v in diag.get("pg_clipfrac_by_turn", {}).items():
                     clip_by_turn[int(k)].append(float(v))
-            clip = cfg.optim.grad_clip
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                clip if clip > 0 else float("inf"))
-            grad_norms.append(float(gn))
-            optimizer.step()
+            grad_norms.append(backend.step())
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
     timings["update"] = time.perf_counter() - t0
-    model.eval()
+    backend.unwrapped.eval()
     if cfg.engine == "vllm":  # the hf engine samples from this very model object
-        engine.update_weights(model.state_dict())
+        engine.update_weights(backend.hf_state_dict() or {})
+    for key in ("total", "pg", "kl"):  # sums over ranks (the diagnostics stay rank 0's)
+        if key in loss_log:
+            loss_log[key] = [backend.all_reduce_sum(float(np.sum(loss_log[key])))]
 
     # 8. metrics ---------------------------------------------------------------------------
     rewards = np.array([t.reward for t in trajs])
@@ -478,6 +627,7 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
     for g in groups:
         r = {t.reward for t in trajs if t.group_id == g}
         spread["zero" if len(r) <= 1 else "some"] += 1
+    updates = max(1, len(grad_norms))
     metrics = {
         "train/reward": float(rewards.mean()),
         "train/em": float(np.mean([t.extra["em"] for t in trajs])),
@@ -493,7 +643,8 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
         "rollout/gen_batches": gen_batches,
         "rollout/retrieval_calls": retrieval_calls,
         "rollout/entropy": float(np.mean([x.entropy for t in trajs for x in t.turns])),
-        "loss/total": float(np.sum(loss_log["total"]) / max(1, len(grad_norms))),
+        # per update: the micro-batch terms of an update sum to its loss (global denominators)
+        "loss/total": float(loss_log["total"][0] / updates),
         "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
         "optim/lr": float(scheduler.get_last_lr()[0]),
         "time/step": time.perf_counter() - tic,
@@ -503,10 +654,8 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
     for s_, n in stops.items():
         metrics[f"rollout/stop/{s_}"] = n / len(trajs)
     for key, vals in loss_log.items():
-        # micro-batch terms sum to their update's value (global denominators): per-update
-        # mean for the loss terms, plain mean for the diagnostics
         if key in ("pg", "kl"):
-            metrics[f"loss/{key}"] = float(np.sum(vals) / max(1, len(grad_norms)))
+            metrics[f"loss/{key}"] = float(vals[0] / updates)
         elif key != "total":
             metrics[f"loss/{key}"] = float(np.mean(vals))
     for k, vals in clip_by_turn.items():
@@ -532,4 +681,18 @@ def _train_step(cfg, step, model, ref_model, tok, optimizer, scheduler, engine, 
     metrics["throughput/rollout_tokens_per_s"] = gen_tokens / max(1e-9, timings["rollout"])
     metrics["throughput/update_tokens_per_s"] = float(batch.attention_mask.sum()) \
         * sched.ppo_epochs / max(1e-9, timings["update"])
-    return metrics
+    seen: Counter = Counter()
+    sample = []
+    for b, t in enumerate(trajs):
+        sample.append(_rollout_record(tok, t, seen[t.group_id], per_turn[b].advantages))
+        seen[t.group_id] += 1
+    return metrics, sample
+
+
+def _rollout_record(tok, t: Trajectory, index: int, advantages) -> dict:
+    """One trajectory as rollouts.jsonl stores it: turn texts, queries, reward, advantages."""
+    turns = [{"turn": k, "stop": turn.stop, "query": turn.query,
+              "text": tok.decode(list(turn.action_ids), skip_special_tokens=True)}
+             for k, turn in enumerate(t.turns)]
+    return {"group": str(t.group_id), "index": index, "reward": float(t.reward),
+            "advantages": [float(a) for a in advantages], "turns": turns}

@@ -43,7 +43,8 @@ def corpus_file():
 
 
 def all_targets():
-    targets = [f"{R}/data/summary.json", corpus_file(), f"{R}/index/check.json"]
+    targets = [f"{R}/data/summary.json", corpus_file(), f"{R}/index/check.json",
+               f"{R}/tables/main.md", f"{R}/plots/done.json"]
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]
@@ -54,3 +55,55 @@ def all_targets():
 
 wildcard_constraints:
     section=r"[a-z_]+(\.[a-z_]+)*",
+
+
+# --------------------------------------------------------------------------------------------
+# the grid: one row per cell, self-describing paths runs/backbone~B/method~M/beta~X/seed~N
+
+from a2tgpo.grid import CELL_PATTERN, Cell, cell_config, cells_of, validate_grid
+
+METHOD_BETA = validate_grid(STUDY.grid, STUDY.backbones, STUDY.methods_dir, "config")
+SET_CELLS = {
+    name: cells_of(STUDY.grid, name, STUDY.backbones, METHOD_BETA) for name in STUDY.grid.sets
+}
+DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
+TEST_SETS = [s.name for s in STUDY.data.test]
+
+
+def run_dir(cell):
+    return f"{R}/runs/{cell}"
+
+
+def policy_dir(backbone_id):
+    """Where a cell's starting policy lives: the warm-started model for built (toy) backbones,
+    the released weights (hub id or local path) otherwise."""
+    cfg = BACKBONES[backbone_id]
+    return f"{R}/sft" if cfg.needs_build else cfg.path
+
+
+def policy_inputs(backbone_id):
+    """Files a training job waits for (none for released models: they come from the hub)."""
+    return [f"{R}/sft/config.json"] if BACKBONES[backbone_id].needs_build else []
+
+
+def resolve_cell(path):
+    """The resolved TrainConfig of the cell at `path` (what `a2tgpo train` reads)."""
+    import dataclasses
+
+    cell = Cell.parse(path)
+    backbone = dataclasses.replace(BACKBONES[cell.backbone], path=policy_dir(cell.backbone))
+    return cell_config(
+        cell, study=STUDY.study, results_root=R, backbone=backbone, train=STUDY.train,
+        methods_dir=STUDY.methods_dir, retrieval=STUDY.retrieval, tracking=STUDY.tracking,
+        train_file=f"{R}/data/train.parquet", dev_file=f"{R}/data/dev.parquet",
+        corpus=corpus_file(), index=STUDY.retrieval.index.prebuilt or f"{R}/index/dense.faiss",
+    )
+
+
+def cell_outputs(cells):
+    """The per-cell files a finished cell has (evaluation last)."""
+    return [f"{run_dir(c.path)}/eval/summary.json" for c in cells]
+
+
+wildcard_constraints:
+    cell=CELL_PATTERN,

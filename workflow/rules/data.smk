@@ -47,7 +47,10 @@ rule prepare_data:
         cfg=f"{R}/configs/data.yaml",
         world=[f"{R}/world/summary.json"] if uses_world() else [],
     output:
-        f"{R}/data/summary.json",
+        train=f"{R}/data/train.parquet",
+        dev=f"{R}/data/dev.parquet",
+        tests=[f"{R}/data/test/{s.name}.parquet" for s in STUDY.data.test],
+        summary=f"{R}/data/summary.json",
     log:
         f"{R}/logs/prepare_data.log",
     shell:

@@ -1,0 +1,238 @@
+"""The experiment grid: named sets of cells (backbone x method x beta x seed) and their configs.
+
+A cell is one training run. Its path under `<results>/<study>/runs/` names every coordinate,
+
+    backbone~qwen3-4b/method~a2tgpo/beta~0.3/seed~1
+
+so a results folder explains itself and `snakemake <cell>/eval/summary.json` reruns exactly one
+cell. Betas are written with Python's shortest round-trip float repr (0.3, never
+0.30000000000000004; integers without ".0"), and `Cell.parse(cell.path) == cell`.
+
+Cells come from the study's `grid.sets` (e.g. main, beta, seeds); `grid.default` names the sets
+a bare `snakemake` runs, the others are targets of their own (`snakemake beta`). A set lists
+methods and, optionally, backbones (default: all of the study's), betas (default: each method's
+own beta; only methods whose estimator reads beta get other values) and seeds, with exclusions
+as "backbone:method" pairs (Tree-GRPO only on Qwen2.5-7B in the paper).
+
+`cell_config` resolves one cell into the TrainConfig that `a2tgpo train` reads: the method file,
+the set's beta, the study's `train` section, then the study's dotted overrides (all cells), then
+the per-method overrides, validated strictly with the override's origin in any error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_dict
+from a2tgpo.rollout.agent import AgentConfig
+from a2tgpo.train.config import OptimConfig, ScheduleConfig
+
+# wildcard regexes for Snakemake (one path component each)
+CELL_PATTERN = r"backbone~[A-Za-z0-9_.\-]+/method~[a-z0-9_]+/beta~[0-9.e+\-]+/seed~[0-9]+"
+_CELL_RE = re.compile(r"^backbone~(?P<backbone>[A-Za-z0-9_.\-]+)/method~(?P<method>[a-z0-9_]+)"
+                      r"/beta~(?P<beta>[0-9.e+\-]+)/seed~(?P<seed>[0-9]+)$")
+
+
+def format_value(x: float) -> str:
+    """Shortest text that reads back as the same float; integers without '.0'."""
+    s = repr(float(x))
+    return s[:-2] if s.endswith(".0") else s
+
+
+def normalize_beta(x: float) -> float:
+    """Round to 10 significant digits so sums like 0.1 + 0.2 become the 0.3 users wrote."""
+    return float(f"{float(x):.10g}")
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One grid point."""
+
+    backbone: str
+    method: str
+    beta: float
+    seed: int
+
+    @property
+    def path(self) -> str:
+        return (f"backbone~{self.backbone}/method~{self.method}/beta~{format_value(self.beta)}"
+                f"/seed~{self.seed}")
+
+    @classmethod
+    def parse(cls, path: str) -> Cell:
+        m = _CELL_RE.match(path.strip("/"))
+        if m is None:
+            raise ValueError(f"not a cell path (backbone~B/method~M/beta~X/seed~N): {path!r}")
+        return cls(m["backbone"], m["method"], float(m["beta"]), int(m["seed"]))
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {"backbone": self.backbone, "method": self.method,
+                "beta": format_value(self.beta), "seed": str(self.seed), "cell": self.path}
+
+
+@dataclass(frozen=True)
+class CellSet:
+    """One named set of cells: the cross product of its lists, minus exclusions."""
+
+    methods: tuple[str, ...] = option(doc="Method ids (config/methods/<id>.yaml).")
+    backbones: tuple[str, ...] = option((), "Backbone ids; empty = all of the study's backbones.")
+    betas: tuple[float, ...] = option(
+        (), "Adaptive-clip strengths β for methods whose estimator reads β (igpo_family); "
+        "empty = each method's own β. Other methods always use their own.")
+    seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).")
+    exclude: tuple[str, ...] = option((), "\"backbone:method\" pairs left out (e.g. "
+                                          "\"qwen3-4b:tree_grpo\").")
+    only: tuple[str, ...] = option((), "\"backbone:method\" pairs: if given, a method listed "
+                                       "here runs only on the backbones listed for it.")
+
+    def __post_init__(self) -> None:
+        if not self.methods or not self.seeds:
+            raise ValueError("a cell set needs at least one method and one seed")
+        for pair in self.exclude + self.only:
+            if pair.count(":") != 1:
+                raise ValueError(f"expected \"backbone:method\", got {pair!r}")
+        object.__setattr__(self, "betas", tuple(normalize_beta(b) for b in self.betas))
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    """The study's grid: named cell sets and which of them `snakemake` runs by default."""
+
+    sets: dict[str, CellSet] = option(
+        doc="Named cell sets; each is also a Snakemake target (`snakemake <name>`).")
+    default: tuple[str, ...] = option(("main",), "Sets the default target runs; their cells "
+                                                 "make the tables in <study>/tables/.")
+
+    def __post_init__(self) -> None:
+        for name in self.default:
+            if name not in self.sets:
+                raise ValueError(f"default set {name!r} is not in sets ({', '.join(self.sets)})")
+        for name in self.sets:
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                raise ValueError(f"set name {name!r}: use lowercase letters, digits and _")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """Settings shared by every cell's TrainConfig (per-cell values come from the grid)."""
+
+    optim: OptimConfig = option(doc="AdamW and its schedule.", factory=OptimConfig)
+    schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
+    rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
+    engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
+    device: str = option("auto", "torch device; auto = cuda when available.")
+    backend: Literal["single", "deepspeed"] = option("single", "Training backend.")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (backend deepspeed).")
+    nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).")
+    nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).")
+    threads: int = option(1, "CPU threads per training/evaluation job (torch intra-op).")
+    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+    overrides: tuple[str, ...] = option(
+        (), "Dotted TrainConfig overrides applied to every cell, e.g. "
+        "\"method.rollout.n=4\".")
+    method_overrides: dict[str, tuple[str, ...]] = option(
+        doc="Per-method dotted overrides (after `overrides`); keys are method ids or shell "
+        "patterns (\"at2po*\"), applied in the order written, e.g. "
+        "{tree_grpo: [\"method.rollout.tree_m=2\"]}.", factory=dict)
+    selection: Literal["dev_em", "test_avg"] = option(
+        "dev_em", "Checkpoint selection: dev EM (default) or the papers' best test average "
+        "(labelled so in the tables).")
+    runtime_min: int = option(60, "Wall-time request of a training job (minutes, SLURM).")
+    mem_mb: int = option(8000, "Memory request of a training job (MB).")
+
+
+def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
+             method_beta: dict[str, tuple[float, bool]]) -> list[Cell]:
+    """The cells of one set, in a stable order.
+
+    `method_beta[m] = (own beta, reads beta)` for every method id the set names.
+    """
+    s = grid.sets[set_name]
+    backbones = s.backbones or study_backbones
+    excluded = {tuple(p.split(":")) for p in s.exclude}
+    only: dict[str, set[str]] = {}
+    for p in s.only:
+        b, m = p.split(":")
+        only.setdefault(m, set()).add(b)
+    out = []
+    for b in backbones:
+        for m in s.methods:
+            if (b, m) in excluded or (m in only and b not in only[m]):
+                continue
+            own, reads = method_beta[m]
+            betas = s.betas if (s.betas and reads) else (normalize_beta(own),)
+            for beta in betas:
+                for seed in s.seeds:
+                    out.append(Cell(b, m, beta, seed))
+    return out
+
+
+def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_dir: str,
+                  source: str) -> dict[str, tuple[float, bool]]:
+    """Check every id the grid names; returns method id -> (own beta, reads beta)."""
+    from a2tgpo.algo.methods import get_method
+
+    out: dict[str, tuple[float, bool]] = {}
+    for name, s in grid.sets.items():
+        for i, b in enumerate(s.backbones):
+            if b not in study_backbones:
+                raise ConfigError(f"{source}: grid.sets.{name}.backbones[{i}]: {b!r} is not "
+                                  f"one of the study's backbones ({', '.join(study_backbones)})")
+        for i, m in enumerate(s.methods):
+            if m not in out:
+                try:
+                    cfg = get_method(m, methods_dir)
+                except ConfigError as e:
+                    raise ConfigError(f"{source}: grid.sets.{name}.methods[{i}]: {e}") from None
+                out[m] = (cfg.advantage.beta, cfg.advantage.estimator == "igpo_family")
+        for key, pairs in (("exclude", s.exclude), ("only", s.only)):
+            for i, p in enumerate(pairs):
+                b, m = p.split(":")
+                if b not in study_backbones or m not in s.methods:
+                    raise ConfigError(f"{source}: grid.sets.{name}.{key}[{i}]: {p!r} names a "
+                                      "backbone or method this set does not have")
+    return out
+
+
+def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: TrainSection,
+                methods_dir: str, retrieval, tracking, train_file: str, dev_file: str,
+                corpus: str, index: str | None):
+    """The resolved TrainConfig of one cell (what `a2tgpo train` reads)."""
+    from a2tgpo.algo.methods import get_method
+    from a2tgpo.train.config import TrainConfig
+
+    method = get_method(cell.method, methods_dir)
+    method = dataclasses.replace(
+        method, advantage=dataclasses.replace(method.advantage, beta=cell.beta))
+    base = TrainConfig(
+        run_dir=f"{results_root}/runs/{cell.path}", results_dir=results_root, study=study,
+        cell=cell.path, seed=cell.seed, backbone=backbone, method=method,
+        train_file=train_file, dev_file=dev_file, corpus=corpus, index=index,
+        retrieval=retrieval, rollout=train.rollout, optim=train.optim,
+        schedule=train.schedule, engine=train.engine, device=train.device,
+        backend=train.backend, zero_stage=train.zero_stage, ig_batch_size=train.ig_batch_size,
+        tracking=tracking)
+    data = to_dict(base)
+    layers = [("train.overrides", train.overrides)]
+    layers += [(f"train.method_overrides.{key}", ov)
+               for key, ov in train.method_overrides.items()
+               if fnmatch.fnmatchcase(cell.method, key)]
+    for label, overrides in layers:
+        if overrides:
+            try:
+                data = apply_overrides(data, overrides)
+            except ConfigError as e:
+                raise ConfigError(f"study config {label}: {e}") from None
+    try:
+        cfg = from_dict(TrainConfig, data, source=f"cell {cell.path} (after study overrides)")
+    except ValueError as e:
+        raise ConfigError(f"cell {cell.path}: {e}") from None
+    if cfg.method.advantage.beta != cell.beta:  # the path must say what the run does
+        raise ConfigError(f"cell {cell.path}: an override changed method.advantage.beta to "
+                          f"{cfg.method.advantage.beta}; set betas in grid.sets instead")
+    return cfg

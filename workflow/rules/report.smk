@@ -1,0 +1,68 @@
+# Tables and plots over the cells of the default sets (results/<study>/tables, plots), and for
+# each other set over the default cells plus its own (results/<study>/tables/<set>/, ...).
+
+
+def set_cells(name):
+    """Cells a table of set `name` covers: the default sets' plus its own."""
+    return list(dict.fromkeys(DEFAULT_CELLS + SET_CELLS[name]))
+
+
+TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "beta"]
+
+
+rule tables:
+    input:
+        cell_outputs(DEFAULT_CELLS),
+    output:
+        [f"{R}/tables/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
+    params:
+        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
+    log:
+        f"{R}/logs/tables.log",
+    localrule: True
+    shell:
+        "a2tgpo tables --runs {R}/runs --cells {params.cells} --out {R}/tables > {log} 2>&1"
+
+
+rule plots:
+    input:
+        cell_outputs(DEFAULT_CELLS),
+    output:
+        done=f"{R}/plots/done.json",
+    params:
+        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
+    log:
+        f"{R}/logs/plots.log",
+    localrule: True
+    shell:
+        "a2tgpo plots --runs {R}/runs --cells {params.cells} --out {R}/plots > {log} 2>&1"
+
+
+rule set_tables:
+    """Tables of one extra set (`snakemake <set>`), next to the default ones."""
+    input:
+        lambda wc: cell_outputs(set_cells(wc.set)),
+    output:
+        [f"{R}/tables/{{set}}/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
+    params:
+        cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
+    log:
+        f"{R}/logs/tables-{{set}}.log",
+    localrule: True
+    shell:
+        "a2tgpo tables --runs {R}/runs --cells {params.cells} --out {R}/tables/{wildcards.set} "
+        "> {log} 2>&1"
+
+
+wildcard_constraints:
+    set="|".join(sorted(STUDY.grid.sets)),
+
+
+# `snakemake <set>` runs one set's cells and writes its tables
+for _name in STUDY.grid.sets:
+
+    rule:
+        name:
+            _name
+        input:
+            f"{R}/tables/{_name}/main.md",

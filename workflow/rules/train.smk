@@ -1,0 +1,101 @@
+# Training: one resolved config per cell, one training job per cell, then checkpoint selection.
+# Checkpoints are not outputs (Snakemake deletes the outputs of failed jobs): a failed or
+# preempted job leaves its checkpoints, and the rerun resumes from the last complete one.
+
+import json
+
+from a2tgpo.config import to_dict
+
+TRAIN = STUDY.train
+
+
+rule cell_config:
+    """The cell's resolved TrainConfig. Its params are the resolved values, so editing the
+    study config reruns exactly the cells whose settings changed (comments do not count)."""
+    output:
+        f"{R}/runs/{{cell}}/config.yaml",
+    params:
+        resolved=lambda wc: json.dumps(to_dict(resolve_cell(wc.cell)), sort_keys=True),
+    localrule: True
+    run:
+        from a2tgpo.config import dump_config
+
+        dump_config(resolve_cell(wildcards.cell), output[0])
+
+
+rule mlflow_experiment:
+    """Create the study's MLflow experiment once, before parallel jobs race to create it."""
+    output:
+        f"{R}/mlflow/experiment.json",
+    localrule: True
+    run:
+        from a2tgpo.io import atomic_write_json
+        from a2tgpo.tracking import init_experiment, resolve_tracking_uri
+
+        exp = init_experiment(STUDY.tracking, study=STUDY.study, results_dir=R)
+        atomic_write_json(output[0], {"experiment_id": exp,
+                                      "tracking_uri": resolve_tracking_uri(STUDY.tracking, R)})
+
+
+def train_command(wc, threads):
+    """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
+    if TRAIN.backend == "single":
+        return "a2tgpo train"
+    return (f"deepspeed --num_gpus {TRAIN.nproc} --num_nodes {TRAIN.nodes} "
+            "$(command -v a2tgpo) train")
+
+
+rule train:
+    input:
+        cfg=f"{R}/runs/{{cell}}/config.yaml",
+        data=f"{R}/data/summary.json",
+        index=f"{R}/index/check.json",
+        policy=lambda wc: policy_inputs(Cell.parse(wc.cell).backbone),
+        mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
+    output:
+        f"{R}/runs/{{cell}}/summary.json",
+    log:
+        f"{R}/logs/runs/{{cell}}/train.log",
+    params:
+        cmd=lambda wc, threads: train_command(wc, threads),
+    threads: TRAIN.threads
+    resources:
+        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else TRAIN.nproc,
+        runtime=TRAIN.runtime_min,
+        mem_mb=TRAIN.mem_mb,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.cmd} {input.cfg} > {log} 2>&1"
+
+
+rule select:
+    """The checkpoint evaluation uses: best dev EM (default) or the papers' best test average."""
+    input:
+        f"{R}/runs/{{cell}}/summary.json",
+    output:
+        f"{R}/runs/{{cell}}/best.json",
+    log:
+        f"{R}/logs/runs/{{cell}}/select.log",
+    localrule: True
+    shell:
+        "a2tgpo select {R}/runs/{wildcards.cell} --criterion dev_em --out {output} > {log} 2>&1"
+
+
+rule evaluate:
+    """Greedy rollouts of the selected checkpoint on every test set: EM/F1 per dataset and
+    sample-weighted group averages, logged into the cell's MLflow run."""
+    input:
+        cfg=f"{R}/runs/{{cell}}/config.yaml",
+        best=f"{R}/runs/{{cell}}/best.json",
+        tests=[f"{R}/data/test/{name}.parquet" for name in TEST_SETS],
+    output:
+        f"{R}/runs/{{cell}}/eval/summary.json",
+    log:
+        f"{R}/logs/runs/{{cell}}/evaluate.log",
+    threads: TRAIN.threads
+    resources:
+        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
+        runtime=TRAIN.runtime_min,
+        mem_mb=TRAIN.mem_mb,
+    shell:
+        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --best {input.best} "
+        "--test {input.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
