@@ -209,15 +209,16 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
     method = get_method(cell.method, methods_dir)
     method = dataclasses.replace(
         method, advantage=dataclasses.replace(method.advantage, beta=cell.beta))
-    base = TrainConfig(
-        run_dir=f"{results_root}/runs/{cell.path}", results_dir=results_root, study=study,
-        cell=cell.path, seed=cell.seed, backbone=backbone, method=method,
-        train_file=train_file, dev_file=dev_file, corpus=corpus, index=index,
-        retrieval=retrieval, rollout=train.rollout, optim=train.optim,
-        schedule=train.schedule, engine=train.engine, device=train.device,
-        backend=train.backend, zero_stage=train.zero_stage, ig_batch_size=train.ig_batch_size,
-        tracking=tracking)
-    data = to_dict(base)
+    # a plain mapping first: the overrides may fix what the defaults alone would fail on
+    data = {
+        "run_dir": f"{results_root}/runs/{cell.path}", "results_dir": results_root,
+        "study": study, "cell": cell.path, "seed": cell.seed, "backbone": to_dict(backbone),
+        "method": to_dict(method), "train_file": train_file, "dev_file": dev_file,
+        "corpus": corpus, "index": index, "retrieval": to_dict(retrieval),
+        "rollout": to_dict(train.rollout), "optim": to_dict(train.optim),
+        "schedule": to_dict(train.schedule), "engine": train.engine, "device": train.device,
+        "backend": train.backend, "zero_stage": train.zero_stage,
+        "ig_batch_size": train.ig_batch_size, "tracking": to_dict(tracking)}
     layers = [("train.overrides", train.overrides)]
     layers += [(f"train.method_overrides.{key}", ov)
                for key, ov in train.method_overrides.items()
@@ -230,8 +231,11 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
                 raise ConfigError(f"study config {label}: {e}") from None
     try:
         cfg = from_dict(TrainConfig, data, source=f"cell {cell.path} (after study overrides)")
+    except ConfigError:
+        raise
     except ValueError as e:
-        raise ConfigError(f"cell {cell.path}: {e}") from None
+        raise ConfigError(f"cell {cell.path} (study config train section and overrides): "
+                          f"{e}") from None
     if cfg.method.advantage.beta != cell.beta:  # the path must say what the run does
         raise ConfigError(f"cell {cell.path}: an override changed method.advantage.beta to "
                           f"{cfg.method.advantage.beta}; set betas in grid.sets instead")
