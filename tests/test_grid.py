@@ -1,0 +1,124 @@
+"""The grid: cell paths round-trip, sets expand with exclusions, cells resolve to TrainConfigs."""
+
+import dataclasses
+
+import pytest
+
+from a2tgpo.algo.methods import METHODS
+from a2tgpo.config import ConfigError, from_dict
+from a2tgpo.grid import (
+    Cell,
+    CellSet,
+    GridConfig,
+    TrainSection,
+    cell_config,
+    cells_of,
+    format_value,
+    normalize_beta,
+    validate_grid,
+)
+from a2tgpo.model.backbone import BackboneConfig
+from a2tgpo.retrieval.retriever import RetrievalConfig
+from a2tgpo.tracking import TrackingConfig
+
+
+@pytest.mark.parametrize("beta, text", [(0.0, "0"), (0.3, "0.3"), (1.0, "1"), (0.25, "0.25"),
+                                        (1e-7, "1e-07"), (12.0, "12")])
+def test_beta_text_round_trips(beta, text):
+    assert format_value(beta) == text
+    assert float(text) == beta
+    cell = Cell("qwen3-4b", "a2tgpo", beta, 2)
+    assert Cell.parse(cell.path) == cell
+
+
+def test_float_noise_is_normalised_away():
+    # 0.1 + 0.2 = 0.30000000000000004 in binary floating point; a path must still say 0.3
+    assert format_value(0.1 + 0.2) == "0.30000000000000004"
+    assert format_value(normalize_beta(0.1 + 0.2)) == "0.3"
+    s = CellSet(methods=("a2tgpo",), betas=(0.1 + 0.2, 0.1 * 3))
+    assert s.betas == (0.3, 0.3)
+
+
+def test_parse_rejects_other_paths():
+    with pytest.raises(ValueError, match="not a cell path"):
+        Cell.parse("backbone~toy/method~grpo/seed~1")
+
+
+BETAS = {"grpo": (0.0, False), "a2tgpo": (0.3, True), "tree_grpo": (0.0, False)}
+
+
+def test_cells_of_expands_and_excludes():
+    grid = GridConfig(sets={
+        "main": CellSet(methods=("grpo", "tree_grpo", "a2tgpo"), seeds=(1, 2),
+                        only=("b2:tree_grpo",)),
+        "beta": CellSet(methods=("a2tgpo", "grpo"), betas=(0.0, 0.5), backbones=("b1",),
+                        exclude=("b1:grpo",)),
+    })
+    main = cells_of(grid, "main", ("b1", "b2"), BETAS)
+    # b1: grpo, a2tgpo (tree_grpo only on b2) x 2 seeds = 4; b2: 3 methods x 2 seeds = 6
+    assert len(main) == 10
+    assert Cell("b2", "tree_grpo", 0.0, 1) in main
+    assert not any(c.method == "tree_grpo" and c.backbone == "b1" for c in main)
+    # methods keep their own beta: a2tgpo 0.3, grpo 0
+    assert {c.beta for c in main if c.method == "a2tgpo"} == {0.3}
+    beta = cells_of(grid, "beta", ("b1", "b2"), BETAS)
+    # grpo excluded on b1; a2tgpo at both betas, one seed
+    assert [c.path for c in beta] == ["backbone~b1/method~a2tgpo/beta~0/seed~1",
+                                      "backbone~b1/method~a2tgpo/beta~0.5/seed~1"]
+
+
+def test_betas_only_apply_to_methods_that_read_beta():
+    grid = GridConfig(sets={"s": CellSet(methods=("grpo",), betas=(0.1, 0.2))}, default=("s",))
+    assert [c.beta for c in cells_of(grid, "s", ("b",), BETAS)] == [0.0]
+
+
+def test_validate_grid_names_the_bad_entry(tmp_path):
+    grid = GridConfig(sets={"main": CellSet(methods=("grpo", "nosuch"))})
+    with pytest.raises(ConfigError, match=r"grid.sets.main.methods\[1\].*nosuch"):
+        validate_grid(grid, ("toy",), str(tmp_path), "config.yaml")
+    grid = GridConfig(sets={"main": CellSet(methods=("grpo",), backbones=("qwen",))})
+    with pytest.raises(ConfigError, match=r"grid.sets.main.backbones\[0\]"):
+        validate_grid(grid, ("toy",), str(tmp_path), "config.yaml")
+    with pytest.raises(ValueError, match="default set"):
+        GridConfig(sets={"main": CellSet(methods=("grpo",))}, default=("paper",))
+
+
+def _resolve(cell, train):
+    return cell_config(
+        cell, study="s", results_root="res/s", backbone=BackboneConfig(id="toy", path="m"),
+        train=train, methods_dir="config/methods", retrieval=RetrievalConfig(),
+        tracking=TrackingConfig(mlflow=False), train_file="t.parquet", dev_file="d.parquet",
+        corpus="c.jsonl", index="i.faiss")
+
+
+def test_cell_config_layers_overrides_in_order():
+    train = from_dict(TrainSection, {
+        "rollout": {"max_response_tokens": 600},
+        # the method default overlong buffer (2000) exceeds 600 until the override fixes it
+        "overrides": ["method.rollout.n=4", "method.dapo.overlong_buffer=100"],
+        "method_overrides": {"at2po*": ["method.rollout.n=5"], "at2po": ["method.rollout.n=7"]},
+    })
+    cfg = _resolve(Cell("toy", "dapo", 0.0, 3), train)
+    assert cfg.run_dir == "res/s/runs/backbone~toy/method~dapo/beta~0/seed~3"
+    assert (cfg.seed, cfg.method.rollout.n, cfg.method.dapo.overlong_buffer) == (3, 4, 100)
+    # both patterns match at2po and apply in the order written: the exact key comes last
+    assert _resolve(Cell("toy", "at2po", 0.0, 1), train).method.rollout.n == 7
+    assert _resolve(Cell("toy", "at2po_release", 0.0, 1), train).method.rollout.n == 5
+    a2 = _resolve(Cell("toy", "a2tgpo", 0.5, 1), train)
+    assert a2.method.advantage.beta == 0.5
+    # apart from what the overrides name, the method is the table's
+    assert dataclasses.replace(a2.method, advantage=METHODS["a2tgpo"].advantage,
+                               rollout=METHODS["a2tgpo"].rollout,
+                               dapo=METHODS["a2tgpo"].dapo) == METHODS["a2tgpo"]
+
+
+def test_cell_config_errors_name_the_cell_and_key():
+    bad = from_dict(TrainSection, {"overrides": ["method.rollout.nn=4"]})
+    with pytest.raises(ConfigError, match=r"backbone~toy/method~grpo.*rollout.*nn"):
+        _resolve(Cell("toy", "grpo", 0.0, 1), bad)
+    too_long = from_dict(TrainSection, {"rollout": {"max_response_tokens": 600}})
+    with pytest.raises(ConfigError, match="cell backbone~toy/method~dapo.*overlong_buffer"):
+        _resolve(Cell("toy", "dapo", 0.0, 1), too_long)
+    sneaky = from_dict(TrainSection, {"overrides": ["method.advantage.beta=0.2"]})
+    with pytest.raises(ConfigError, match="set betas in grid.sets"):
+        _resolve(Cell("toy", "a2tgpo", 0.3, 1), sneaky)
