@@ -230,7 +230,10 @@ class Cell:
             from a2tgpo.tracking import METRICS_FILE, read_metrics
 
             exists = (self.path / METRICS_FILE).exists()
-            self._cache["metrics"] = read_metrics(self.path) if exists else None
+            try:
+                self._cache["metrics"] = read_metrics(self.path) if exists else None
+            except ValueError as e:  # a corrupt line: name it, no traceback
+                raise ReportInputError(str(e)) from e
         return self._cache["metrics"]
 
 

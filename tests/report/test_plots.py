@@ -1,0 +1,127 @@
+"""Plots: PNGs for the data given, clean skips without data, and the series they draw."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from a2tgpo.cli import main as cli_main
+from a2tgpo.report import ReportConfig, discover_cells
+from a2tgpo.report.plots import PLOT_KINDS, _smooth, seed_band, series, write_plots
+
+M, S = "multi_hop", "single_hop"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def metrics(shift: float, steps: int = 4) -> list[dict]:
+    """Training rows as the RL loop logs them: a validation row at step 0, then per step the
+    training metrics (with val/em every second step), and step 2 logged again after a resume."""
+    rows = [{"step": 0, "time": 0.0, "val/em": 0.10 + shift}]
+    for s in range(1, steps + 1):
+        row = {"step": s, "time": float(s), "train/reward": 0.1 * s + shift,
+               "train/em": 0.05 * s, "rollout/entropy": 1.0 - 0.1 * s,
+               "rollout/tool_calls": 1.4, "rollout/tool_calls_dist/0": 0.2,
+               "rollout/tool_calls_dist/1": 0.2, "rollout/tool_calls_dist/2": 0.6,
+               "time/rollout": 2.0, "time/info_gain+old_logprob": 0.5,
+               "time/ref_logprob": 0.2, "time/advantage": 0.1, "time/update": 1.0,
+               "time/step": 4.0}
+        for k in range(2):
+            row.update({f"adv/turn{k}/mean": 0.1 * k - 0.05, f"adv/turn{k}/std": 0.5,
+                        f"adv/turn{k}/min": -1.0 - k, f"adv/turn{k}/max": 1.0 + k})
+        if s % 2 == 0:
+            rows.append({"step": s, "val/em": 0.1 + 0.05 * s + shift, "val/f1": 0.3})
+            row["val/em"] = 0.1 + 0.05 * s + shift
+        rows.append(row)
+    rows.append({**rows[3], "train/reward": 9.0})  # step 2 again, resumed: this value wins
+    return rows
+
+
+ROLLOUTS = [
+    {"step": s, "group": "q1", "index": i, "reward": 1.0,
+     "turns": [{"turn": 0, "stop": "search", "text": "t", "query": q},
+               {"turn": 1, "stop": "answer", "text": "the answer is x", "query": None}]}
+    for s in (1, 4) for i, q in enumerate(["capital of france", "france capital city"])
+]
+
+
+def full_grid(make_cell):
+    summary = dict(datasets={"hotpotqa": (.4, M), "nq": (.5, S)}, groups={M: .4, S: .5})
+    for seed in (0, 1):
+        make_cell("qwen3-4b", "grpo", "0", seed, metrics=metrics(0.01 * seed), **summary)
+        make_cell("qwen3-4b", "a2tgpo", "0.3", seed, metrics=metrics(0.1 + 0.01 * seed),
+                  rollouts=ROLLOUTS, **summary)
+    make_cell("qwen3-4b", "igpo", "0", 0, metrics=metrics(0.05), **summary)
+    make_cell("qwen3-4b", "a2tgpo", "0.1", 0, datasets={"hotpotqa": (.45, M), "nq": (.5, S)},
+              groups={M: .45, S: .52})
+    return make_cell.runs
+
+
+def test_series_later_row_wins_and_seed_band():
+    rows = metrics(0.0)
+    reward = series(rows, "train/reward")
+    assert list(reward) == [1, 2, 3, 4] and reward[2] == 9.0 and reward[3] == pytest.approx(0.3)
+    # val/em from the validation-only rows and the training rows alike (same values here)
+    assert series(rows, "val/em") == pytest.approx({0: 0.1, 2: 0.2, 4: 0.3})
+    # seeds {1: 1, 2: 3} and {1: 3}: step 1 mean 2, std sqrt(2); step 2 mean 3, std undefined
+    x, mean, std = seed_band([{1: 1.0, 2: 3.0}, {1: 3.0}])
+    assert list(x) == [1, 2] and list(mean) == [2.0, 3.0]
+    assert std[0] == pytest.approx(np.sqrt(2)) and np.isnan(std[1])
+    # trailing moving average over 2 points: 1, (1+3)/2, (3+5)/2
+    assert _smooth({1: 1.0, 2: 3.0, 3: 5.0}, 2) == {1: 1.0, 2: 2.0, 3: 4.0}
+
+
+def test_every_plot_is_written_for_full_data(make_cell, tmp_path):
+    runs = full_grid(make_cell)
+    out = tmp_path / "plots"
+    written = write_plots(ReportConfig(), discover_cells(runs), out)
+    assert sorted(p.name for p in written) == sorted(f"{k}.png" for k in PLOT_KINDS)
+    for p in written:
+        assert p.parent == out / "qwen3-4b"
+        data = p.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    index = json.loads((out / "index.json").read_text())
+    assert index["skipped"] == []
+    assert {e["kind"]: e["caption"] for e in index["plots"]}["jaccard"] == "plot_jaccard.rst"
+
+
+def test_plots_skip_cleanly_without_data(make_cell, tmp_path, caplog, capsys):
+    # one evaluated cell, no metrics, no rollouts, one β: nothing can be drawn
+    make_cell("qwen3-4b", "a2tgpo", "0.3", 0, datasets={"nq": (.5, S)}, groups={S: .5})
+    out = tmp_path / "plots"
+    with caplog.at_level(logging.INFO, logger="a2tgpo.report"):
+        assert cli_main(["plots", "--runs", str(make_cell.runs), "--out", str(out)]) == 0
+    assert "no plots written" in capsys.readouterr().out
+    index = json.loads((out / "index.json").read_text())
+    assert index["plots"] == [] and sorted(s["kind"] for s in index["skipped"]) == \
+        sorted(PLOT_KINDS)
+    assert "plot dev_em [qwen3-4b] skipped: no cell logged val/em" in caplog.text
+    assert "plot beta [qwen3-4b] skipped: fewer than two evaluated β values" in caplog.text
+    assert not list(out.rglob("*.png"))
+
+
+def test_plots_with_no_cells_at_all(tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    assert cli_main(["plots", "--runs", str(tmp_path / "runs"), "--out",
+                     str(tmp_path / "plots")]) == 0
+    assert json.loads((tmp_path / "plots" / "index.json").read_text()) == \
+        {"plots": [], "skipped": []}
+    assert cli_main(["plots", "--out", str(tmp_path / "p")]) == 2  # neither --runs nor --cells
+    assert "give --runs DIR or --cells" in capsys.readouterr().err
+
+
+def test_partial_data_draws_what_it_can(make_cell, tmp_path):
+    # metrics without adv/* or time/* keys, and no rollouts: the curves and the tool-call
+    # plot only
+    rows = [{"step": s, "train/reward": 0.1 * s, "rollout/entropy": 1.0, "val/em": 0.2,
+             "rollout/tool_calls_dist/1": 1.0} for s in (1, 2)]
+    make_cell("toy", "grpo", "0", 0, metrics=rows)
+    written = write_plots(ReportConfig(), discover_cells(make_cell.runs), tmp_path)
+    assert sorted(p.stem for p in written) == ["dev_em", "entropy", "reward", "tool_calls"]
+
+
+def test_corrupt_metrics_is_an_error_naming_the_line(make_cell, tmp_path, capsys):
+    cell = make_cell("toy", "grpo", "0", 0, metrics=[])
+    (cell / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
+    assert cli_main(["plots", "--runs", str(make_cell.runs), "--out", str(tmp_path / "p")]) == 1
+    assert "metrics.jsonl:1: not valid JSON" in capsys.readouterr().err
