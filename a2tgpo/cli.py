@@ -290,6 +290,30 @@ def cmd_config_doc(args) -> int:
     return 0
 
 
+def _report(args, module) -> int:
+    from a2tgpo.report import ReportInputError
+
+    if args.runs is None and not args.cells:
+        raise ConfigError("give --runs DIR or --cells CELL...")
+    try:
+        return module.main(args.config, args.section, args.runs, args.cells, args.out)
+    except ReportInputError as e:  # a malformed result file: a message, not a traceback
+        print(f"a2tgpo {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_tables(args) -> int:
+    from a2tgpo.report import tables
+
+    return _report(args, tables)
+
+
+def cmd_plots(args) -> int:
+    from a2tgpo.report import plots
+
+    return _report(args, plots)
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -560,6 +584,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--schema", action="store_true", help="print the JSON schema as YAML")
     p.set_defaults(func=cmd_config_doc)
+
+    def report_args(p, out_help):
+        p.add_argument("--runs", default=None,
+                       help="directory of cells backbone~*/method~*/beta~*/seed~* to discover")
+        p.add_argument("--cells", nargs="+", default=None, metavar="CELL",
+                       help="explicit cell directories (or files inside them, e.g. "
+                       "eval/summary.json) instead of discovering them under --runs")
+        p.add_argument("--config", default=None,
+                       help="report config: a resolved `report` section, or a study config "
+                       "with --section report (default: the built-in layout of the papers)")
+        p.add_argument("--section", default=None, help="read this section of --config")
+        p.add_argument("--out", required=True, help=out_help)
+
+    p = sub.add_parser(
+        "tables",
+        help="write the papers' tables (main, ablations, β) as Markdown, LaTeX and CSV",
+        description="Read every evaluated cell's eval/summary.json and write main, "
+        "ablation_a2tgpo, ablation_at2po, credit_at2po and beta tables as .md, .tex (booktabs) "
+        "and tidy .csv: methods x test datasets and sample-weighted group averages per "
+        "backbone, mean ± sample std over seeds, best per column in bold, and a caption "
+        "stating how the checkpoints were selected. Missing cells are left out with a note.",
+        formatter_class=fmt,
+    )
+    report_args(p, "output directory of the tables")
+    p.set_defaults(func=cmd_tables)
+
+    p = sub.add_parser(
+        "plots",
+        help="write the papers' figures (training curves, advantages, tool calls, Jaccard, "
+        "time, β) as PNG",
+        description="From the cells' metrics.jsonl, rollouts.jsonl and eval/summary.json, "
+        "draw per backbone: dev EM, reward and entropy over steps, advantage statistics by "
+        "turn position, tool calls per trajectory, same- vs cross-position Jaccard similarity "
+        "of turns, seconds per training stage and the β-sensitivity curve, as "
+        "<out>/<backbone>/<kind>.png plus <out>/index.json. Plots without data are skipped "
+        "with a note.",
+        formatter_class=fmt,
+    )
+    report_args(p, "output directory of the plots")
+    p.set_defaults(func=cmd_plots)
     return parser
 
 
