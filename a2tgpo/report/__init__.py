@@ -133,8 +133,8 @@ class ReportConfig:
     smoothing: int = option(
         1, "Moving-average window (in logged points) of the training curves; 1 = none.")
     selection_labels: dict[str, str] = option(
-        doc="Caption wording of each checkpoint-selection criterion (used when a cell's "
-        "summary has no label).",
+        doc="Caption wording of each checkpoint-selection criterion of the cells' summaries "
+        "(a criterion not listed is shown by the summary's label).",
         factory=lambda: {"dev_em": "dev-selected",
                          "test_avg": "best test average (papers' protocol)"})
     dpi: int = option(150, "Resolution of the PNG plots.")
@@ -319,12 +319,15 @@ def load_summary(path: str | Path) -> dict:
 
 
 def selection_label(cfg: ReportConfig, summary: dict) -> str:
-    """How the cell's evaluated checkpoint was chosen, in caption words."""
+    """How the cell's evaluated checkpoint was chosen, in caption words: the configured
+    wording of its criterion, else the summary's own label."""
+    criterion = summary.get("criterion")
+    if criterion in cfg.selection_labels:
+        return cfg.selection_labels[criterion]
     label = summary.get("label")
     if isinstance(label, str) and label:
         return label
-    criterion = summary.get("criterion")
-    return cfg.selection_labels.get(criterion, str(criterion or "unknown selection"))
+    return str(criterion or "unknown selection")
 
 
 def by_method(cells) -> dict[tuple[str, str], dict[str, list[Cell]]]:

@@ -162,12 +162,12 @@ def _mark_best(cfg: ReportConfig, section: Section, columns: list[Column]) -> No
 def _selection_text(cfg: ReportConfig, rows: list[Row]) -> str:
     per_cell = Counter(selection_label(cfg, c.summary()) for r in rows for c in r.cells)
     if not per_cell:
-        return "Checkpoints: none evaluated."
+        return "Checkpoint selection: none evaluated."
     if len(per_cell) == 1:
-        return f"Checkpoints: {next(iter(per_cell))}."
+        return f"Checkpoint selection: {next(iter(per_cell))}."
     parts = ", ".join(f"{lab} ({n} cell{'s' if n != 1 else ''})"
                       for lab, n in sorted(per_cell.items()))
-    return f"Checkpoints: mixed selection protocols: {parts}."
+    return f"Checkpoint selection: mixed protocols: {parts}."
 
 
 def _seeds_text(rows: list[Row]) -> str:
@@ -179,7 +179,8 @@ def _seeds_text(rows: list[Row]) -> str:
 
 def _caption(cfg: ReportConfig, what: str, rows: list[Row]) -> str:
     metric = cfg.metric.upper()
-    return (f"{what}{' ' if what else ''}{metric} (%) on the test sets; Avg columns are sample-weighted averages "
+    lead = f"{what} " if what else ""
+    return (f"{lead}{metric} (%) on the test sets; Avg columns are sample-weighted averages "
             f"over the group's test samples. {_seeds_text(rows)} Bold: the best printed value "
             f"of each column within a backbone (ties all bold). {_selection_text(cfg, rows)}")
 
@@ -196,17 +197,21 @@ def _method_table(cfg: ReportConfig, cells: list[Cell], name: str, title: str, w
                   rows_spec: dict[str, str]) -> Table:
     """A table whose rows are methods (`rows_spec`: id -> label), one block per backbone."""
     grouped = by_method(cells)
-    sections = []
+    sections, missing = [], {}
     for b in cfg.order_backbones(c.backbone for c in cells):
         rows = []
         for method, label in rows_spec.items():
             seeds = pick_cells(cfg, grouped.get((b, method), {}), method, f"{name} [{b}]")
-            if not seeds:
-                log.info("%s [%s]: no evaluated cells of %s; row left out", name, b, method)
-                continue
-            rows.append(Row(method, label, seeds))
+            if seeds:
+                rows.append(Row(method, label, seeds))
+            else:
+                missing.setdefault(b, []).append(method)
         if rows:
             sections.append(Section(b, cfg.backbone_label(b), rows))
+    for b, methods in missing.items():
+        if sections:  # an empty table says so once, in write_tables
+            log.info("%s [%s]: no evaluated cells of %s; rows left out", name, b,
+                     ", ".join(methods))
     used = [c for s in sections for r in s.rows for c in r.cells]
     empty = "" if sections else (
         f"No results for this table: none of its methods ({', '.join(rows_spec) or 'none'}) "

@@ -71,12 +71,13 @@ def test_main_table_markdown_means_stds_and_bold(make_cell, tmp_path):
     assert "| Method | Seeds | HotpotQA | Multi Avg | NQ | Single Avg |" in lines
     assert "| GRPO | 3 | 42.0 ± 2.0 | 33.0 ± 3.0 | **50.0 ± 0.0** | 60.0 ± 0.0 |" in lines
     assert "| IGPO | 1 | **46.0** | 37.0 | 48.0 | **70.0** |" in lines
-    assert "| A2TGPO | 2 | **46.0 ± 1.4** | **39.0 ± 1.4** | **50.0 ± 1.4** | 62.0 ± 1.4 |" in lines
+    assert ("| A2TGPO | 2 | **46.0 ± 1.4** | **39.0 ± 1.4** | **50.0 ± 1.4** | 62.0 ± 1.4 |"
+            in lines)
     # rows in the configured order; methods without cells (react, dapo, ...) left out
     rows = [ln.split(" | ")[0] for ln in lines if ln.startswith("| ") and "Seeds" not in ln]
     assert rows == ["| GRPO", "| IGPO", "| A2TGPO"]
     assert "mean ± sample standard deviation (n − 1" in md
-    assert "Checkpoints: dev-selected." in md
+    assert "Checkpoint selection: dev-selected." in md
 
 
 def test_beta_table_rows_sorted_numerically(make_cell, tmp_path):
@@ -138,7 +139,8 @@ def test_missing_cells_and_empty_tables_are_noted(make_cell, tmp_path, caplog):
         write_tables(ReportConfig(), discover_cells(make_cell.runs), tmp_path)
     assert "1 of 3 cells have no eval/summary.json yet" in caplog.text
     assert "cells of method mystery are in no table" in caplog.text
-    assert "no evaluated cells of a2tgpo; row left out" in caplog.text
+    assert "main [qwen3-4b]: no evaluated cells of react, dapo, gspo, tree_grpo, gigpo, igpo, " \
+        "aepo, at2po, a2tgpo; rows left out" in caplog.text
     # one evaluated seed: no ± and the seed count is 1
     assert "| GRPO | 1 | 50.0 | 50.0 |" in (tmp_path / "main.md").read_text()
     md = (tmp_path / "ablation_at2po.md").read_text()
@@ -172,11 +174,13 @@ def test_csv_round_trip_with_pandas(make_cell, tmp_path):
 def test_mixed_selection_protocols_are_stated(make_cell, tmp_path):
     make_cell("qwen3-4b", "grpo", "0", 0, datasets={"nq": (.5, S)}, groups={S: .5})
     make_cell("qwen3-4b", "dapo", "0", 0, datasets={"nq": (.6, S)}, groups={S: .6},
-              criterion="test_avg", label=None)  # no label: the criterion's wording is used
+              criterion="test_avg", label="whatever")  # the configured wording wins
+    make_cell("qwen3-4b", "gspo", "0", 0, datasets={"nq": (.7, S)}, groups={S: .7},
+              criterion="custom", label="hand-picked")  # unknown criterion: its label
     write_tables(ReportConfig(), discover_cells(make_cell.runs), tmp_path)
     md = (tmp_path / "main.md").read_text()
-    assert ("Checkpoints: mixed selection protocols: best test average (papers' protocol) "
-            "(1 cell), dev-selected (1 cell).") in md
+    assert ("Checkpoint selection: mixed protocols: best test average (papers' protocol) "
+            "(1 cell), dev-selected (1 cell), hand-picked (1 cell).") in md
     tex = (tmp_path / "main.tex").read_text()
     assert "best test average (papers' protocol) (1 cell)" in tex
 
