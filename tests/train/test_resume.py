@@ -1,0 +1,118 @@
+"""A training job killed with SIGKILL and rerun ends exactly where an uninterrupted job ends.
+
+Both runs are real `a2tgpo train` processes on the toy world (GRPO from the warm-started
+model). The interrupted one is killed right after its second checkpoint; the rerun resumes
+from the last complete checkpoint (weights, optimizer, scheduler, RNG states, data order) and
+must reproduce the uninterrupted run bit for bit on CPU: the same final weights and the same
+logged metrics for every step (timings excepted).
+"""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from a2tgpo.algo.methods import METHODS
+from a2tgpo.config import dump_config
+from a2tgpo.tracking import read_metrics
+from a2tgpo.train.checkpoint import latest_checkpoint
+from a2tgpo.train.config import ScheduleConfig
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+KILL_AFTER = 2  # steps saved before the kill (a checkpoint every step)
+
+
+def _command(cfg_path):
+    return [sys.executable, "-c", "import sys; from a2tgpo.cli import main; "
+            "sys.exit(main(sys.argv[1:]))", "train", str(cfg_path)]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    ckpt = latest_checkpoint(run_dir)
+    return ckpt.name, load_file(ckpt / "model" / "model.safetensors")
+
+
+def _step_rows(run_dir):
+    """The last row logged for each step, without wall-clock values."""
+    rows = {}
+    for row in read_metrics(run_dir):
+        rows[row["step"]] = {k: v for k, v in row.items()
+                             if k != "time" and not k.startswith(("time/", "throughput/",
+                                                                  "val/seconds"))}
+    return rows
+
+
+def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
+    method = dataclasses.replace(METHODS["grpo"], rollout=dataclasses.replace(
+        METHODS["grpo"].rollout, n=4))
+    schedule = ScheduleConfig(steps=STEPS, prompts_per_step=2, mini_batch_prompts=1,
+                              micro_batch_size=4, eval_every=3, eval_questions=4,
+                              save_every=1, keep_last=2)
+    runs = {}
+    for name in ("straight", "killed"):
+        cfg = toy_train_config(tmp_path / name, method, schedule=schedule, lr=3e-3)
+        dump_config(cfg, tmp_path / f"{name}.yaml")
+        runs[name] = tmp_path / name
+
+    done = subprocess.run(_command(tmp_path / "straight.yaml"), env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    proc = subprocess.Popen(_command(tmp_path / "killed.yaml"), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = runs["killed"] / "checkpoints" / f"step_{KILL_AFTER:06d}" / "COMPLETE"
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None, "the job ended before it could be killed"
+        assert time.time() < deadline, "no checkpoint after 10 minutes"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (runs["killed"] / "summary.json").exists()  # it really stopped mid-training
+    latest = latest_checkpoint(runs["killed"]).name
+    assert latest in (f"step_{KILL_AFTER:06d}", f"step_{KILL_AFTER + 1:06d}")
+
+    rerun = subprocess.run(_command(tmp_path / "killed.yaml"), env=_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr
+
+    name_a, weights_a = _final_weights(runs["straight"])
+    name_b, weights_b = _final_weights(runs["killed"])
+    assert name_a == name_b == f"step_{STEPS:06d}"
+    assert weights_a.keys() == weights_b.keys()
+    differ = [k for k in weights_a if not torch.equal(weights_a[k], weights_b[k])]
+    assert not differ, f"weights differ after the resume: {differ}"
+    # and training moved them: the comparison is not between two untouched models
+    start = _start_weights(toy_train_config, tmp_path)
+    assert any(not torch.equal(start[k], weights_a[k]) for k in start)
+
+    rows_a, rows_b = _step_rows(runs["straight"]), _step_rows(runs["killed"])
+    assert sorted(rows_a) == sorted(rows_b) == list(range(STEPS + 1))
+    for step in rows_a:
+        assert rows_a[step] == rows_b[step], f"step {step} metrics differ"
+    assert (runs["straight"] / "summary.json").read_text() == \
+        (runs["killed"] / "summary.json").read_text()
+
+
+def _start_weights(toy_train_config, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = toy_train_config(tmp_path / "x", METHODS["grpo"],
+                           schedule=ScheduleConfig(steps=1, prompts_per_step=1,
+                                                   mini_batch_prompts=1))
+    return load_file(os.path.join(cfg.backbone.path, "model.safetensors"))
