@@ -26,6 +26,7 @@ from a2tgpo.data.qa import DataConfig
 from a2tgpo.data.world import WorldConfig
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
+from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.grid import CellSet, GridConfig, TrainSection, validate_grid
 from a2tgpo.tracking import TrackingConfig
@@ -81,6 +82,8 @@ class StudyConfig:
                                  factory=TrainSection)
     tracking: TrackingConfig = option(doc="metrics.jsonl + MLflow (one run per cell).",
                                       factory=TrackingConfig)
+    report: ReportConfig = option(doc="Tables and plots: rows, columns, labels.",
+                                  factory=ReportConfig)
 
     def __post_init__(self) -> None:
         if not self.study or "/" in self.study:

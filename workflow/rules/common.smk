@@ -44,7 +44,7 @@ def corpus_file():
 
 def all_targets():
     targets = [f"{R}/data/summary.json", corpus_file(), f"{R}/index/check.json",
-               f"{R}/tables/main.md", f"{R}/plots/done.json"]
+               f"{R}/tables/main.md", f"{R}/plots/index.json"]
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]

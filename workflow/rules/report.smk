@@ -7,12 +7,13 @@ def set_cells(name):
     return list(dict.fromkeys(DEFAULT_CELLS + SET_CELLS[name]))
 
 
-TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "beta"]
+TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta"]
 
 
 rule tables:
     input:
-        cell_outputs(DEFAULT_CELLS),
+        cells=cell_outputs(DEFAULT_CELLS),
+        cfg=f"{R}/configs/report.yaml",
     output:
         [f"{R}/tables/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
     params:
@@ -21,27 +22,29 @@ rule tables:
         f"{R}/logs/tables.log",
     localrule: True
     shell:
-        "a2tgpo tables --runs {R}/runs --cells {params.cells} --out {R}/tables > {log} 2>&1"
+        "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables > {log} 2>&1"
 
 
 rule plots:
     input:
-        cell_outputs(DEFAULT_CELLS),
+        cells=cell_outputs(DEFAULT_CELLS),
+        cfg=f"{R}/configs/report.yaml",
     output:
-        done=f"{R}/plots/done.json",
+        index=f"{R}/plots/index.json",
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     log:
         f"{R}/logs/plots.log",
     localrule: True
     shell:
-        "a2tgpo plots --runs {R}/runs --cells {params.cells} --out {R}/plots > {log} 2>&1"
+        "a2tgpo plots --cells {params.cells} --config {input.cfg} --out {R}/plots > {log} 2>&1"
 
 
 rule set_tables:
     """Tables of one extra set (`snakemake <set>`), next to the default ones."""
     input:
-        lambda wc: cell_outputs(set_cells(wc.set)),
+        cells=lambda wc: cell_outputs(set_cells(wc.set)),
+        cfg=f"{R}/configs/report.yaml",
     output:
         [f"{R}/tables/{{set}}/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
     params:
@@ -50,7 +53,7 @@ rule set_tables:
         f"{R}/logs/tables-{{set}}.log",
     localrule: True
     shell:
-        "a2tgpo tables --runs {R}/runs --cells {params.cells} --out {R}/tables/{wildcards.set} "
+        "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables/{wildcards.set} "
         "> {log} 2>&1"
 
 
