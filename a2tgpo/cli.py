@@ -535,8 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--chunk", type=int, default=1024,
                    help="questions per rollout call, all test sets pooled (default 1024)")
-    p.add_argument("--max-batch", type=int, default=256,
-                   help="hf engine: sequences per forward pass (default 256)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="hf engine: sequences per forward pass (default: 32 on CPU, the "
+                   "engine's default on GPU)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser(

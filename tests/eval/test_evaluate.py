@@ -192,3 +192,95 @@ def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
     assert logged[0]["test/all/em"] == pytest.approx(summary["groups"]["all"]["em"])
     assert logged[0]["test/ts/em"] == pytest.approx(summary["datasets"]["ts"]["em"])
     assert not (cell / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_all_checkpoints_then_test_avg_selection(toy_cell, own_cell):
+    from a2tgpo.cli import main
+
+    cell, _ = own_cell
+    tests = [str(toy_cell.tests["ts"]), str(toy_cell.tests["tm"])]
+    cmd = ["evaluate", str(cell / "config.yaml"), "--all-checkpoints", "--test", *tests,
+           "--out", str(cell / "eval_all")]
+    assert main(cmd) == 0
+    s0, s2 = (json.loads((cell / "eval_all" / f"step_{s:06d}" / "summary.json").read_text())
+              for s in (0, 2))
+    assert (s0["step"], s0["criterion"], s0["label"]) == (0, None, "step 0")
+    assert s2["checkpoint"] == "checkpoints/step_000002/model"
+    # both checkpoints hold the same weights: greedy evaluation gives the same numbers
+    assert s0["groups"] == s2["groups"] and s0["datasets"] == s2["datasets"]
+    logged = read_jsonl(cell / "eval_all" / "tracking" / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [0, 2]
+    assert logged[1]["test_by_checkpoint/all/em"] == pytest.approx(s2["groups"]["all"]["em"])
+
+    # a tie in test average goes to the earliest step
+    assert main(["select", str(cell), "--criterion", "test_avg"]) == 0
+    best = json.loads((cell / "best.json").read_text())
+    assert (best["step"], best["criterion"]) == (0, "test_avg")
+    assert best["value"] == s0["groups"]["all"]["em"]
+    assert best["candidates"] == {"0": best["value"], "2": best["value"]}
+
+    # a rerun keeps finished steps instead of evaluating them again
+    stamp = (cell / "eval_all" / "step_000002" / "summary.json").stat().st_mtime_ns
+    assert main(cmd) == 0
+    assert (cell / "eval_all" / "step_000002" / "summary.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_broken_tracking_does_not_fail_evaluation(toy_cell, own_cell, caplog):
+    from a2tgpo.eval.evaluate import evaluate_best
+
+    cell, cfg = own_cell
+    (cell / "mlflow_run.json").write_text("{}")  # a link without its keys: attach raises
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 0,
+        "checkpoint": "checkpoints/step_000000/model", "value": 0.0, "candidates": {"0": 0.0}}))
+    summary, line = evaluate_best(cfg, cell / "best.json", [toy_cell.tests["tm"]], cell / "eval",
+                                  progress=False)
+    assert json.loads((cell / "eval" / "summary.json").read_text()) == summary
+    assert summary["groups"]["all"]["n"] == 3 and "3 questions" in line
+    assert any("tracking the evaluation" in r.getMessage() and "KeyError" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_missing_best_json_is_a_clear_cli_error(toy_cell, own_cell, capsys):
+    from a2tgpo.cli import main
+
+    cell, _ = own_cell
+    rc = main(["evaluate", str(cell / "config.yaml"), "--best", str(cell / "best.json"),
+               "--test", str(toy_cell.tests["ts"]), "--out", str(cell / "eval")])
+    assert rc == 1
+    assert f"{cell / 'best.json'}: no such selection file" in capsys.readouterr().err
+    assert not (cell / "eval").exists()
+
+
+@pytest.mark.slow
+def test_metrics_go_to_the_cells_mlflow_run(toy_cell, own_cell, tmp_path):
+    import dataclasses
+
+    from mlflow import MlflowClient
+
+    from a2tgpo.eval.evaluate import evaluate_best
+    from a2tgpo.tracking import Tracker, TrackingConfig, resolve_tracking_uri
+
+    cell, cfg = own_cell
+    results = tmp_path / "results"
+    cfg = dataclasses.replace(cfg, results_dir=str(results), tracking=TrackingConfig())
+    with Tracker(cell, cfg.tracking, study="toy", run_name="cell", results_dir=results) as train:
+        train.log({"val/em": 0.5}, 0)  # what training leaves: the run and mlflow_run.json
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 0,
+        "checkpoint": "checkpoints/step_000000/model", "value": 0.5, "candidates": {"0": 0.5}}))
+    summary, _ = evaluate_best(cfg, cell / "best.json", [toy_cell.tests["ts"]], cell / "eval",
+                               progress=False)
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg.tracking, results))
+    run = client.get_run(train.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["eval.checkpoint"] == "checkpoints/step_000000/model"
+    assert run.data.tags["eval.criterion"] == "dev_em"
+    m = run.data.metrics
+    assert m["test/ts/em"] == pytest.approx(summary["datasets"]["ts"]["em"])
+    assert m["test/single_hop/f1"] == pytest.approx(summary["groups"]["single_hop"]["f1"])
+    assert m["test/all/em"] == pytest.approx(summary["groups"]["all"]["em"])
+    assert m["eval/questions"] == 5 and m["val/em"] == 0.5
+    assert [h.step for h in client.get_metric_history(train.run_id, "test/all/em")] == [0]

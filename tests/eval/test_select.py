@@ -1,0 +1,158 @@
+"""Checkpoint selection on synthetic cells: metrics.jsonl written by the real Tracker, fake
+checkpoint directories (a COMPLETE marker and a model/ folder, as save_checkpoint leaves them)."""
+
+import json
+
+import pytest
+
+from a2tgpo.cli import main
+from a2tgpo.eval.select import SelectionError, read_best, select_checkpoint, write_best
+from a2tgpo.tracking import Tracker, TrackingConfig
+
+
+def make_cell(root, val_rows, complete=(), incomplete=()):
+    """A cell with `val_rows` [(step, val/em)] logged in order (one Tracker per list element,
+    so a list of lists is a run resumed in between), plus training rows without val/em."""
+    cell = root / "cell"
+    for job in val_rows:
+        with Tracker(cell, TrackingConfig(mlflow=False), study="t", run_name="c",
+                     results_dir=root) as t:
+            for step, em in job:
+                t.log({"train/reward": 0.1}, step)  # a training row: no val/em, ignored
+                t.log({"val/em": em, "val/f1": 0.0}, step)
+    for step in complete:
+        d = cell / "checkpoints" / f"step_{step:06d}"
+        (d / "model").mkdir(parents=True)
+        (d / "COMPLETE").write_text(f"{step}\n")
+    for step in incomplete:  # a save killed before COMPLETE was written
+        (cell / "checkpoints" / f"step_{step:06d}" / "model").mkdir(parents=True)
+    return cell
+
+
+def test_dev_em_later_row_wins_after_resume(tmp_path):
+    # first job: steps 0, 10, 20 (20 scored 0.9), killed after 20 was logged but before its
+    # checkpoint; the resumed job (from step 10) logs 20 again (0.4) and 30 (0.6)
+    cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5), (20, 0.9)], [(20, 0.4), (30, 0.6)]],
+                     complete=(0, 10, 20, 30))
+    best = select_checkpoint(cell)
+    # candidates by the later rows: {0: .2, 10: .5, 20: .4, 30: .6} -> step 30 (0.9 is stale)
+    assert best == {"criterion": "dev_em", "label": "dev EM", "step": 30,
+                    "checkpoint": "checkpoints/step_000030/model", "value": 0.6,
+                    "candidates": {"0": 0.2, "10": 0.5, "20": 0.4, "30": 0.6}}
+
+
+def test_dev_em_only_steps_with_complete_checkpoints(tmp_path):
+    # step 30 (0.9, the best) was pruned; step 20 (0.8) has no COMPLETE marker
+    cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5), (20, 0.8), (30, 0.9)]],
+                     complete=(0, 10), incomplete=(20,))
+    best = select_checkpoint(cell)
+    assert best["step"] == 10 and best["value"] == 0.5
+    assert best["candidates"] == {"0": 0.2, "10": 0.5}
+
+
+def test_dev_em_ties_go_to_the_earliest_step(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.1), (10, 0.5), (20, 0.3), (30, 0.5)]],
+                     complete=(0, 10, 20, 30))
+    assert select_checkpoint(cell)["step"] == 10
+
+
+def test_react_cell_has_only_step_zero(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.25)]], complete=(0,))
+    best = select_checkpoint(cell)
+    assert (best["step"], best["checkpoint"], best["value"]) == (
+        0, "checkpoints/step_000000/model", 0.25)
+
+
+def test_dev_em_errors_name_the_file(tmp_path):
+    cell = make_cell(tmp_path, [[(10, 0.5)]], complete=(0, 20))
+    with pytest.raises(SelectionError, match=r"metrics.jsonl: no val/em row matches a complete "
+                       r"checkpoint \(validated steps \[10\]; checkpoints \[0, 20\]"):
+        select_checkpoint(cell)
+    (cell / "metrics.jsonl").unlink()
+    with pytest.raises(SelectionError, match=r"cell/metrics.jsonl: not found"):
+        select_checkpoint(cell)
+    bare = make_cell(tmp_path / "b", [[(0, 0.5)]], incomplete=(0,))
+    with pytest.raises(SelectionError, match=r"b/cell/checkpoints: no complete checkpoint"):
+        select_checkpoint(bare)
+
+
+def eval_all_summary(cell, step, em_all, datasets=("a", "b")):
+    d = cell / "eval_all" / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    summary = {"step": step, "checkpoint": f"checkpoints/step_{step:06d}/model",
+               "criterion": None, "label": f"step {step}",
+               "datasets": {n: {"n": 1, "em": em_all, "f1": em_all, "group": "g"}
+                            for n in datasets},
+               "groups": {"g": {"n": len(datasets), "em": em_all, "f1": em_all},
+                          "all": {"n": len(datasets), "em": em_all, "f1": em_all}}}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_test_avg_picks_the_best_overall_average_earliest_on_ties(tmp_path):
+    # dev EM would pick step 0; the test averages pick 10 (0.4 at 10 and 20: earliest)
+    cell = make_cell(tmp_path, [[(0, 0.9), (10, 0.1), (20, 0.1)]], complete=(0, 10, 20))
+    for step, em in ((0, 0.3), (10, 0.4), (20, 0.4)):
+        eval_all_summary(cell, step, em)
+    (cell / "eval_all" / "step_000030").mkdir()  # an unfinished evaluation: no summary.json
+    (cell / "eval_all" / "tracking").mkdir()  # not a step directory
+    best = select_checkpoint(cell, "test_avg")
+    assert best == {"criterion": "test_avg", "label": "best test average (papers' protocol)",
+                    "step": 10, "checkpoint": "checkpoints/step_000010/model", "value": 0.4,
+                    "candidates": {"0": 0.3, "10": 0.4, "20": 0.4}}
+    assert select_checkpoint(cell)["step"] == 0
+
+
+def test_test_avg_needs_every_checkpoint_and_the_same_test_sets(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.9)]], complete=(0, 10))
+    eval_all_summary(cell, 0, 0.3)
+    with pytest.raises(SelectionError, match=r"eval_all: no summary.json for checkpoint steps "
+                       r"\[10\]"):
+        select_checkpoint(cell, "test_avg")
+    eval_all_summary(cell, 10, 0.5, datasets=("a",))
+    with pytest.raises(SelectionError, match="cover different test sets"):
+        select_checkpoint(cell, "test_avg")
+
+
+def test_test_avg_ignores_evaluations_of_pruned_checkpoints(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.9)]], complete=(0, 10))
+    for step, em in ((0, 0.3), (10, 0.2), (20, 0.9)):  # step 20's checkpoint is gone
+        eval_all_summary(cell, step, em)
+    best = select_checkpoint(cell, "test_avg")
+    assert best["step"] == 0 and best["candidates"] == {"0": 0.3, "10": 0.2}
+
+
+def test_write_best_is_atomic_and_read_back(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5)]], complete=(0, 10))
+    (cell / "best.json").write_text("old")
+    best = write_best(cell)
+    assert json.loads((cell / "best.json").read_text()) == best
+    assert not [p for p in cell.iterdir() if p.name.startswith(".")]  # no temporary left
+    back = read_best(cell / "best.json", cell)
+    assert back["model_dir"] == cell / "checkpoints" / "step_000010" / "model"
+    assert back["step"] == 10
+
+
+def test_read_best_errors(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.2)]], complete=(0,), incomplete=(10,))
+    with pytest.raises(FileNotFoundError, match=r"cell/best.json: no such selection file"):
+        read_best(cell / "best.json", cell)
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 10,
+        "checkpoint": "checkpoints/step_000010/model"}))
+    with pytest.raises(SelectionError, match=r"best.json: checkpoint "
+                       r"'checkpoints/step_000010/model' is not a complete checkpoint"):
+        read_best(cell / "best.json", cell)
+    (cell / "best.json").write_text(json.dumps({"criterion": "dev_em", "step": 0}))
+    with pytest.raises(SelectionError, match=r"best.json: missing key 'label'"):
+        read_best(cell / "best.json", cell)
+
+
+def test_select_command(tmp_path, capsys):
+    cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5)]], complete=(0, 10))
+    assert main(["select", str(cell)]) == 0
+    assert json.loads((cell / "best.json").read_text())["step"] == 10
+    assert "step 10 by dev EM" in capsys.readouterr().out
+    out = tmp_path / "elsewhere" / "best_test.json"
+    assert main(["select", str(cell), "--criterion", "test_avg", "--out", str(out)]) == 1
+    assert "eval_all: no summary.json for checkpoint steps [0, 10]" in capsys.readouterr().err
+    assert not out.exists()
