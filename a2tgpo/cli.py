@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    # the `deepspeed` launcher puts --local_rank=N before the command (LOCAL_RANK is set too)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
 
     p = sub.add_parser(
