@@ -15,6 +15,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/index.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/sweep.smk"
 
 
 rule all:

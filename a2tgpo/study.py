@@ -84,6 +84,9 @@ class StudyConfig:
                                       factory=TrackingConfig)
     report: ReportConfig = option(doc="Tables and plots: rows, columns, labels.",
                                   factory=ReportConfig)
+    sweeps: tuple[str, ...] = option(
+        (), "Optuna sweep configs (config/sweeps/<name>.yaml); each is a target of its own, "
+        "`snakemake sweep_<name>`, not part of the default target.")
 
     def __post_init__(self) -> None:
         if not self.study or "/" in self.study:

@@ -264,7 +264,8 @@ def train(cfg: TrainConfig) -> dict:
     summary: dict = {}
     with tracker, PreemptionHandler() as preempt:
 
-        def validate(step: int) -> float:
+        def validate(step: int) -> dict:
+            """Greedy dev rollouts; the metrics go into the step's one metrics.jsonl row."""
             backend.unwrapped.eval()
             t0 = time.perf_counter()
             mine = dev_qs[backend.rank::backend.world_size]
@@ -277,13 +278,12 @@ def train(cfg: TrainConfig) -> dict:
                        "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
                        "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
                        "val/seconds": time.perf_counter() - t0}
-            tracker.log(metrics, step)
             if em > best["val_em"]:
                 best.update(step=step, val_em=em)
             if main:
                 log.info("step %d validation: EM %.3f on %d dev questions", step, em,
                          len(trajs))
-            return em
+            return metrics
 
         def checkpoint(step: int) -> None:
             def backend_state(tmp: Path | None) -> None:
@@ -304,7 +304,7 @@ def train(cfg: TrainConfig) -> dict:
                             extra_state=backend_state if distributed else None)
 
         if start == 0:
-            validate(0)
+            tracker.log(validate(0), 0)
             checkpoint(0)
         if not method.train:  # ReAct: evaluation of the starting policy only
             start = sched.steps
@@ -317,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
                                           tool, train_qs, order)
             done = step + 1
             if done % sched.eval_every == 0 or done == sched.steps:
-                metrics["val/em"] = validate(done)
+                metrics.update(validate(done))
             tracker.log(metrics, done)
             if main and (step == 0 or done % sched.eval_every == 0 or done == sched.steps):
                 _write_rollouts(run_dir / ROLLOUTS_FILE, done, sample)
