@@ -185,6 +185,22 @@ def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | Non
     return cfg, tok, engine
 
 
+class _WaveProgress:
+    """The engine, passed through, showing each wave's live rows on the progress bar (which
+    advances per rollout call only)."""
+
+    def __init__(self, engine, bar):
+        self.engine, self.bar, self.wave = engine, bar, 0
+
+    def generate(self, prompts, params, seeds=None):
+        self.wave += 1
+        self.bar.set_postfix(wave=self.wave, live=len(prompts), refresh=True)
+        return self.engine.generate(prompts, params, seeds)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset], *,
             chunk: int = DEFAULT_CHUNK, progress: bool = True) -> dict[str, list[dict]]:
     """Greedy rollouts of every question of every set, scored; dataset -> prediction rows
@@ -201,10 +217,12 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
     style = _reward_style(cfg)
     out: dict[str, list[dict]] = {s.name: [] for s in test_sets}
     with tqdm(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
+        watched = _WaveProgress(engine, bar)
         for start in range(0, len(items), chunk):
             part = items[start: start + chunk]
             qs = [Question(r["id"], r["question"], tuple(r["golden_answers"])) for _, r in part]
-            trajs = rollout(cfg, qs, engine, tool, seed=EVAL_SEED, greedy=True)
+            watched.wave = 0
+            trajs = rollout(cfg, qs, watched, tool, seed=EVAL_SEED, greedy=True)
             trajs = score(cfg, tok, trajs, training=False)
             for (name, r), t in zip(part, trajs, strict=True):
                 if t.question_id != r["id"]:
