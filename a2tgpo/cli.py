@@ -261,6 +261,51 @@ def cmd_evaluate(args) -> int:
         return 1
 
 
+def cmd_rerun(args) -> int:
+    """Archive one cell's run, then let Snakemake retrain, re-evaluate it and refresh tables."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+
+    from a2tgpo.grid import archive_run, cells_of, match_cells, validate_grid
+    from a2tgpo.study import load_study
+
+    study = load_study(args.configfile, args.overrides)
+    betas = validate_grid(study.grid, study.backbones, study.methods_dir, args.configfile)
+    by_set = {name: cells_of(study.grid, name, study.backbones, betas)
+              for name in study.grid.sets}
+    every = [c for cells in by_set.values() for c in cells]
+    found = match_cells(every, args.selectors)
+    if len(found) != 1:
+        listing = "\n  ".join(c.path for c in found[:20]) or "(none)"
+        print(f"a2tgpo rerun: {' '.join(args.selectors)} matches {len(found)} cells of "
+              f"{args.configfile}; name exactly one:\n  {listing}", file=sys.stderr)
+        return 2
+    cell = found[0]
+    sets = [n for n in study.grid.default if cell in by_set[n]]
+    root = str(study.root)
+    # the default tables if the cell is in a default set, else its own set's tables
+    if sets:
+        targets = [f"{root}/tables/main.md", f"{root}/plots/index.json"]
+    else:
+        name = next(n for n, cells in by_set.items() if cell in cells)
+        targets = [f"{root}/tables/{name}/main.md"]
+    cmd = [sys.executable, "-m", "snakemake", *targets, "--configfile", args.configfile]
+    if args.overrides:
+        cmd += ["--config", *args.overrides]
+    cmd += args.snakemake_args
+    if args.dry_run:
+        print(f"would archive {root}/runs/{cell.path} and run: {' '.join(cmd)}")
+        return 0
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    moved = archive_run(root, cell, stamp)
+    print(f"cell {cell.path}: " + (f"previous run moved to {moved}" if moved
+                                   else "no previous run"))
+    print("running: " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=os.environ.copy())
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -498,6 +543,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
+        "rerun",
+        help="retrain and re-evaluate one grid cell, then refresh the tables",
+        description="Select one cell of the study's grid by its coordinates "
+        "(backbone=, method=, beta=, seed=; omitted ones must be unambiguous), move its run "
+        "folder to <results>/<study>/archive/<cell>/<time>/ (nothing is deleted), and run "
+        "Snakemake for the tables: only that cell is retrained and re-evaluated, the tables "
+        "and plots are refreshed, every other cell is left as it is. Arguments after -- go "
+        "to Snakemake (e.g. -- --profile profiles/slurm).",
+        epilog="example: a2tgpo rerun method=a2tgpo beta=0.3 seed=1 -- --cores 2",
+        formatter_class=fmt,
+    )
+    p.add_argument("selectors", nargs="+", help="key=value: backbone, method, beta, seed")
+    p.add_argument("--configfile", default="config/config.yaml", help="the study config")
+    p.add_argument("--config", dest="overrides", nargs="*", default=[],
+                   help="dotted study-config overrides, passed to Snakemake as --config too")
+    p.add_argument("-n", "--dry-run", action="store_true",
+                   help="print what would be archived and run")
+    p.set_defaults(func=cmd_rerun, snakemake_args=[])
+
+    p = sub.add_parser(
         "select",
         help="choose a cell's checkpoint (dev EM, or the papers' best test average)",
         description="Pick the checkpoint of a grid cell that the tables report and write "
@@ -638,7 +703,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if argv and "rerun" in argv and "--" in argv:  # rerun ... -- <snakemake arguments>
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if passthrough:
+        args.snakemake_args = passthrough
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

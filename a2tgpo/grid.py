@@ -240,3 +240,47 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
         raise ConfigError(f"cell {cell.path}: an override changed method.advantage.beta to "
                           f"{cfg.method.advantage.beta}; set betas in grid.sets instead")
     return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# rerunning one cell
+
+
+def match_cells(cells: list[Cell], selectors: list[str]) -> list[Cell]:
+    """The cells whose coordinates equal every `key=value` selector (backbone, method, beta,
+    seed); betas compare as numbers, so beta=0.30 selects beta~0.3."""
+    wanted: dict[str, str] = {}
+    for text in selectors:
+        key, sep, value = text.partition("=")
+        if not sep or key not in ("backbone", "method", "beta", "seed"):
+            raise ValueError(f"expected backbone=, method=, beta= or seed=, got {text!r}")
+        wanted[key] = value
+
+    def ok(c: Cell) -> bool:
+        for key, value in wanted.items():
+            if key == "beta":
+                if normalize_beta(float(value)) != c.beta:
+                    return False
+            elif key == "seed":
+                if int(value) != c.seed:
+                    return False
+            elif getattr(c, key) != value:
+                return False
+        return True
+
+    return [c for c in dict.fromkeys(cells) if ok(c)]
+
+
+def archive_run(results_root: str, cell: Cell, stamp: str) -> str | None:
+    """Move a cell's run folder to <results>/archive/<cell>/<stamp>/ (nothing is deleted);
+    returns the new location, or None when the cell never ran."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(results_root) / "runs" / cell.path
+    if not src.exists():
+        return None
+    dst = Path(results_root) / "archive" / cell.path / stamp
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(src), str(dst))
+    return str(dst)

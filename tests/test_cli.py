@@ -8,7 +8,7 @@ from a2tgpo.cli import build_parser, main
 
 COMMANDS = ["world", "toy-backbone", "prepare-data", "download-corpus", "encode-corpus",
             "build-index", "check-index", "serve-retriever", "search", "retrieval-eval",
-            "sft", "train", "evaluate", "select", "methods", "check-config", "resolve",
+            "sft", "train", "rerun", "evaluate", "select", "methods", "check-config", "resolve",
             "config-doc", "tables", "plots"]
 
 
