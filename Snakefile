@@ -7,7 +7,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# the toy study unless --configfile names another study config, which then stands alone
+# (merging config/paper.yaml over the toy file would leak toy settings into the paper grid)
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"

@@ -272,8 +272,9 @@ def cmd_rerun(args) -> int:
     from a2tgpo.study import load_study
 
     study = load_study(args.configfile, args.overrides)
-    betas = validate_grid(study.grid, study.backbones, study.methods_dir, args.configfile)
-    by_set = {name: cells_of(study.grid, name, study.backbones, betas)
+    betas = validate_grid(study.grid, study.backbones, study.methods_dir, args.configfile,
+                          study.track_names)
+    by_set = {name: cells_of(study.grid, name, study.backbones, betas, study.track_names)
               for name in study.grid.sets}
     every = [c for cells in by_set.values() for c in cells]
     found = match_cells(every, args.selectors)

@@ -31,10 +31,12 @@ from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_di
 from a2tgpo.rollout.agent import AgentConfig
 from a2tgpo.train.config import OptimConfig, ScheduleConfig
 
-# wildcard regexes for Snakemake (one path component each)
-CELL_PATTERN = r"backbone~[A-Za-z0-9_.\-]+/method~[a-z0-9_]+/beta~[0-9.e+\-]+/seed~[0-9]+"
-_CELL_RE = re.compile(r"^backbone~(?P<backbone>[A-Za-z0-9_.\-]+)/method~(?P<method>[a-z0-9_]+)"
-                      r"/beta~(?P<beta>[0-9.e+\-]+)/seed~(?P<seed>[0-9]+)$")
+# wildcard regex for Snakemake; the data~ component appears only in studies with tracks
+CELL_PATTERN = (r"backbone~[A-Za-z0-9_.\-]+(/data~[a-z0-9_]+)?/method~[a-z0-9_]+"
+                r"/beta~[0-9.e+\-]+/seed~[0-9]+")
+_CELL_RE = re.compile(r"^backbone~(?P<backbone>[A-Za-z0-9_.\-]+)(/data~(?P<data>[a-z0-9_]+))?"
+                      r"/method~(?P<method>[a-z0-9_]+)/beta~(?P<beta>[0-9.e+\-]+)"
+                      r"/seed~(?P<seed>[0-9]+)$")
 
 
 def format_value(x: float) -> str:
@@ -50,28 +52,34 @@ def normalize_beta(x: float) -> float:
 
 @dataclass(frozen=True, order=True)
 class Cell:
-    """One grid point."""
+    """One grid point. `data` names the training track (e.g. multi_hop: trained on HotpotQA,
+    tested on the multi-hop sets, as the papers train one model per track); "" = the study's
+    single implicit track, and then the path has no data~ component."""
 
     backbone: str
     method: str
     beta: float
     seed: int
+    data: str = ""
 
     @property
     def path(self) -> str:
-        return (f"backbone~{self.backbone}/method~{self.method}/beta~{format_value(self.beta)}"
-                f"/seed~{self.seed}")
+        track = f"/data~{self.data}" if self.data else ""
+        return (f"backbone~{self.backbone}{track}/method~{self.method}"
+                f"/beta~{format_value(self.beta)}/seed~{self.seed}")
 
     @classmethod
     def parse(cls, path: str) -> Cell:
         m = _CELL_RE.match(path.strip("/"))
         if m is None:
-            raise ValueError(f"not a cell path (backbone~B/method~M/beta~X/seed~N): {path!r}")
-        return cls(m["backbone"], m["method"], float(m["beta"]), int(m["seed"]))
+            raise ValueError("not a cell path (backbone~B[/data~T]/method~M/beta~X/seed~N): "
+                             f"{path!r}")
+        return cls(m["backbone"], m["method"], float(m["beta"]), int(m["seed"]),
+                   m["data"] or "")
 
     @property
     def tags(self) -> dict[str, str]:
-        return {"backbone": self.backbone, "method": self.method,
+        return {"backbone": self.backbone, "method": self.method, "data": self.data,
                 "beta": format_value(self.beta), "seed": str(self.seed), "cell": self.path}
 
 
@@ -81,6 +89,8 @@ class CellSet:
 
     methods: tuple[str, ...] = option(doc="Method ids (config/methods/<id>.yaml).")
     backbones: tuple[str, ...] = option((), "Backbone ids; empty = all of the study's backbones.")
+    tracks: tuple[str, ...] = option((), "Training tracks (keys of the study's `tracks`); empty = "
+                                         "all of them.")
     betas: tuple[float, ...] = option(
         (), "Adaptive-clip strengths β for methods whose estimator reads β (igpo_family); "
         "empty = each method's own β. Other methods always use their own.")
@@ -146,14 +156,27 @@ class TrainSection:
     mem_mb: int = option(8000, "Memory request of a training job (MB).")
 
 
+@dataclass(frozen=True)
+class TrackConfig:
+    """One training track: a model trained on some training sets and tested on some test
+    sets (A2TGPO/AT2PO: multi-hop = HotpotQA train -> 4 multi-hop test sets; single-hop = NQ
+    train -> 3 single-hop test sets)."""
+
+    train: tuple[str, ...] = option(doc="Names of data.train sources this track trains on.")
+    test: tuple[str, ...] = option(doc="Names of data.test sources this track is tested on.")
+
+
 def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
-             method_beta: dict[str, tuple[float, bool]]) -> list[Cell]:
+             method_beta: dict[str, tuple[float, bool]],
+             study_tracks: tuple[str, ...] = ("",)) -> list[Cell]:
     """The cells of one set, in a stable order.
 
-    `method_beta[m] = (own beta, reads beta)` for every method id the set names.
+    `method_beta[m] = (own beta, reads beta)` for every method id the set names;
+    `study_tracks`: the study's track names ("" = no tracks).
     """
     s = grid.sets[set_name]
     backbones = s.backbones or study_backbones
+    tracks = s.tracks or study_tracks
     excluded = {tuple(p.split(":")) for p in s.exclude}
     only: dict[str, set[str]] = {}
     for p in s.only:
@@ -166,19 +189,25 @@ def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
                 continue
             own, reads = method_beta[m]
             betas = s.betas if (s.betas and reads) else (normalize_beta(own),)
-            for beta in betas:
-                for seed in s.seeds:
-                    out.append(Cell(b, m, beta, seed))
+            for track in tracks:
+                for beta in betas:
+                    for seed in s.seeds:
+                        out.append(Cell(b, m, beta, seed, track))
     return out
 
 
 def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_dir: str,
-                  source: str) -> dict[str, tuple[float, bool]]:
+                  source: str, study_tracks: tuple[str, ...] = ("",)
+                  ) -> dict[str, tuple[float, bool]]:
     """Check every id the grid names; returns method id -> (own beta, reads beta)."""
     from a2tgpo.algo.methods import get_method
 
     out: dict[str, tuple[float, bool]] = {}
     for name, s in grid.sets.items():
+        for i, t in enumerate(s.tracks):
+            if t not in study_tracks:
+                raise ConfigError(f"{source}: grid.sets.{name}.tracks[{i}]: {t!r} is not one "
+                                  f"of the study's tracks ({', '.join(study_tracks)})")
         for i, b in enumerate(s.backbones):
             if b not in study_backbones:
                 raise ConfigError(f"{source}: grid.sets.{name}.backbones[{i}]: {b!r} is not "
@@ -247,13 +276,13 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
 
 
 def match_cells(cells: list[Cell], selectors: list[str]) -> list[Cell]:
-    """The cells whose coordinates equal every `key=value` selector (backbone, method, beta,
-    seed); betas compare as numbers, so beta=0.30 selects beta~0.3."""
+    """The cells whose coordinates equal every `key=value` selector (backbone, data, method,
+    beta, seed); betas compare as numbers, so beta=0.30 selects beta~0.3."""
     wanted: dict[str, str] = {}
     for text in selectors:
         key, sep, value = text.partition("=")
-        if not sep or key not in ("backbone", "method", "beta", "seed"):
-            raise ValueError(f"expected backbone=, method=, beta= or seed=, got {text!r}")
+        if not sep or key not in ("backbone", "data", "method", "beta", "seed"):
+            raise ValueError(f"expected backbone=, data=, method=, beta= or seed=, got {text!r}")
         wanted[key] = value
 
     def ok(c: Cell) -> bool:

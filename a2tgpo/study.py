@@ -8,6 +8,9 @@ from these dataclasses; `load_study` adds the strict checks a JSON schema cannot
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +31,7 @@ from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
-from a2tgpo.grid import CellSet, GridConfig, TrainSection, validate_grid
+from a2tgpo.grid import CellSet, GridConfig, TrackConfig, TrainSection, validate_grid
 from a2tgpo.tracking import TrackingConfig
 from a2tgpo.train.sft import SftConfig
 
@@ -76,6 +79,10 @@ class StudyConfig:
         doc="Warm-start of built (toy) backbones on scripted demonstrations.", factory=SftConfig
     )
     methods_dir: str = option("config/methods", "Where <method id>.yaml files live.")
+    tracks: dict[str, TrackConfig] = option(
+        doc="Training tracks (one model each, e.g. multi_hop / single_hop as in the papers); "
+        "empty = one model trained on all training sets and tested on all test sets.",
+        factory=dict)
     grid: GridConfig = option(doc="Named sets of cells (backbone x method x beta x seed).",
                               factory=_default_grid)
     train: TrainSection = option(doc="Settings shared by every cell's training run.",
@@ -98,6 +105,20 @@ class StudyConfig:
     def root(self) -> Path:
         return Path(self.results_dir) / self.study
 
+    @property
+    def track_names(self) -> tuple[str, ...]:
+        """The tracks cells are made for; ("",) = the single implicit track."""
+        return tuple(self.tracks) or ("",)
+
+    def track_data(self, track: str) -> DataConfig:
+        """The data section one track prepares: its training and test sources only."""
+        if not track:
+            return self.data
+        t = self.tracks[track]
+        return dataclasses.replace(
+            self.data, train=tuple(s for s in self.data.train if s.name in t.train),
+            test=tuple(s for s in self.data.test if s.name in t.test))
+
     def backbone(self, backbone_id: str) -> BackboneConfig:
         return load_backbone_config(Path(self.backbones_dir) / f"{backbone_id}.yaml")
 
@@ -119,7 +140,20 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
         cfg = load_backbone_config(path)
         if cfg.id != b:
             raise ConfigError(f"{path}: id: {cfg.id!r} does not match the file name {b!r}")
-    validate_grid(study.grid, study.backbones, study.methods_dir, source)
+    train_names = {s.name for s in study.data.train}
+    test_names = {s.name for s in study.data.test}
+    for name, track in study.tracks.items():
+        if not re.fullmatch(r"[a-z0-9_]+", name):
+            raise ConfigError(f"{source}: tracks.{name}: use lowercase letters, digits and _")
+        for key, names, known in (("train", track.train, train_names),
+                                  ("test", track.test, test_names)):
+            if not names:
+                raise ConfigError(f"{source}: tracks.{name}.{key}: name at least one source")
+            for i, n in enumerate(names):
+                if n not in known:
+                    raise ConfigError(f"{source}: tracks.{name}.{key}[{i}]: no data.{key} "
+                                      f"source named {n!r} ({', '.join(sorted(known))})")
+    validate_grid(study.grid, study.backbones, study.methods_dir, source, study.track_names)
     return study
 
 

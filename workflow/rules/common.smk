@@ -9,7 +9,7 @@ from snakemake.utils import validate
 validate(config, "../schemas/config.schema.yaml")
 
 # 2. the strict loader: the same dataclasses, plus cross-file checks (backbone files exist)
-from a2tgpo.config import ConfigError
+from a2tgpo.config import ConfigError, to_dict
 from a2tgpo.study import study_from_dict
 
 try:
@@ -43,7 +43,8 @@ def corpus_file():
 
 
 def all_targets():
-    targets = [f"{R}/data/summary.json", corpus_file(), f"{R}/index/check.json",
+    targets = [f"{data_dir(t)}/summary.json" for t in STUDY.track_names] + [
+               corpus_file(), f"{R}/index/check.json",
                f"{R}/tables/main.md", f"{R}/plots/index.json"]
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
@@ -62,12 +63,22 @@ wildcard_constraints:
 
 from a2tgpo.grid import CELL_PATTERN, Cell, cell_config, cells_of, validate_grid
 
-METHOD_BETA = validate_grid(STUDY.grid, STUDY.backbones, STUDY.methods_dir, "config")
+TRACKS = STUDY.track_names  # ("",) without tracks: one model on all training sets
+METHOD_BETA = validate_grid(STUDY.grid, STUDY.backbones, STUDY.methods_dir, "config", TRACKS)
 SET_CELLS = {
-    name: cells_of(STUDY.grid, name, STUDY.backbones, METHOD_BETA) for name in STUDY.grid.sets
+    name: cells_of(STUDY.grid, name, STUDY.backbones, METHOD_BETA, TRACKS)
+    for name in STUDY.grid.sets
 }
 DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
-TEST_SETS = [s.name for s in STUDY.data.test]
+
+
+def data_dir(track):
+    """Prepared data of a track: results/<study>/data (no tracks) or .../data/<track>."""
+    return f"{R}/data/{track}" if track else f"{R}/data"
+
+
+def track_tests(track):
+    return [f"{data_dir(track)}/test/{s.name}.parquet" for s in STUDY.track_data(track).test]
 
 
 def run_dir(cell):
@@ -95,7 +106,8 @@ def resolve_cell(path):
     return cell_config(
         cell, study=STUDY.study, results_root=R, backbone=backbone, train=STUDY.train,
         methods_dir=STUDY.methods_dir, retrieval=STUDY.retrieval, tracking=STUDY.tracking,
-        train_file=f"{R}/data/train.parquet", dev_file=f"{R}/data/dev.parquet",
+        train_file=f"{data_dir(cell.data)}/train.parquet",
+        dev_file=f"{data_dir(cell.data)}/dev.parquet",
         corpus=corpus_file(), index=STUDY.retrieval.index.prebuilt or f"{R}/index/dense.faiss",
     )
 
@@ -107,3 +119,4 @@ def cell_outputs(cells):
 
 wildcard_constraints:
     cell=CELL_PATTERN,
+    track=r"[a-z0-9_]+",

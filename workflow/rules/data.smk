@@ -57,6 +57,34 @@ rule prepare_data:
         "a2tgpo prepare-data {input.cfg} --out {R}/data > {log} 2>&1"
 
 
+rule track_data_config:
+    """The data section of one training track: its training and test sources only."""
+    output:
+        f"{R}/configs/data~{{track}}.yaml",
+    params:
+        values=lambda wc: to_dict(STUDY.track_data(wc.track)),
+    localrule: True
+    run:
+        from a2tgpo.config import dump_config
+
+        dump_config(STUDY.track_data(wildcards.track), output[0])
+
+
+rule prepare_track_data:
+    """Prepared splits of one track (its own dev holdout from its own training sets)."""
+    input:
+        cfg=f"{R}/configs/data~{{track}}.yaml",
+        world=[f"{R}/world/summary.json"] if uses_world() else [],
+    output:
+        train=f"{R}/data/{{track}}/train.parquet",
+        dev=f"{R}/data/{{track}}/dev.parquet",
+        summary=f"{R}/data/{{track}}/summary.json",
+    log:
+        f"{R}/logs/prepare_data-{{track}}.log",
+    shell:
+        "a2tgpo prepare-data {input.cfg} --out {R}/data/{wildcards.track} > {log} 2>&1"
+
+
 rule download_corpus:
     input:
         f"{R}/configs/corpus.download.yaml",

@@ -48,7 +48,7 @@ def train_command(wc, threads):
 rule train:
     input:
         cfg=f"{R}/runs/{{cell}}/config.yaml",
-        data=f"{R}/data/summary.json",
+        data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(Cell.parse(wc.cell).backbone),
         mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
@@ -86,11 +86,13 @@ rule evaluate:
     input:
         cfg=f"{R}/runs/{{cell}}/config.yaml",
         best=f"{R}/runs/{{cell}}/best.json",
-        tests=[f"{R}/data/test/{name}.parquet" for name in TEST_SETS],
+        data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
     output:
         f"{R}/runs/{{cell}}/eval/summary.json",
     log:
         f"{R}/logs/runs/{{cell}}/evaluate.log",
+    params:
+        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     threads: TRAIN.threads
     resources:
         gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
@@ -98,4 +100,4 @@ rule evaluate:
         mem_mb=TRAIN.mem_mb,
     shell:
         "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --best {input.best} "
-        "--test {input.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
+        "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
