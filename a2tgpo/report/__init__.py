@@ -203,6 +203,7 @@ class Cell:
     method: str
     beta: str
     seed: str
+    data: str = ""  # the training track (data~ component), "" without tracks
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
@@ -237,7 +238,7 @@ class Cell:
         return self._cache["metrics"]
 
 
-_WILDCARD_RE = re.compile(r"^(backbone|method|beta|seed)~(.+)$")
+_WILDCARD_RE = re.compile(r"^(backbone|data|method|beta|seed)~(.+)$")
 
 
 def _number(text: str, where: str) -> float:
@@ -264,7 +265,8 @@ def parse_cell(path: str | Path) -> Cell:
         raise ReportInputError(
             f"{path}: not a cell directory (no {', '.join(w + '~' for w in missing)} component; "
             "expected .../backbone~<b>/method~<m>/beta~<beta>/seed~<s>)")
-    return Cell(path, found["backbone"], found["method"], found["beta"], found["seed"])
+    return Cell(path, found["backbone"], found["method"], found["beta"], found["seed"],
+                found.get("data", ""))
 
 
 def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
@@ -284,12 +286,64 @@ def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
         runs = Path(runs)
         if not runs.is_dir():
             raise FileNotFoundError(f"{runs}: runs directory not found")
-        for p in sorted(runs.glob("backbone~*/method~*/beta~*/seed~*")):
-            if p.is_dir():
-                found[p] = parse_cell(p)
+        for pattern in ("backbone~*/method~*/beta~*/seed~*",
+                        "backbone~*/data~*/method~*/beta~*/seed~*"):
+            for p in sorted(runs.glob(pattern)):
+                if p.is_dir():
+                    found[p] = parse_cell(p)
     else:
         raise ValueError("give a runs directory or a list of cells")
     return sorted(found.values(), key=lambda c: (c.backbone, c.method, c.beta_value, c.seed_key))
+
+
+def merge_tracks(cells: list[Cell]) -> list[Cell]:
+    """One cell per (backbone, method, beta, seed) for the tables: the papers train one model
+    per track (multi-hop, single-hop) and report both in one row, so the evaluations of a
+    coordinate's track cells are merged (datasets and groups side by side; the overall
+    average recomputed sample-weighted). A dataset evaluated by two tracks is an error."""
+    groups: dict[tuple, list[Cell]] = defaultdict(list)
+    for c in cells:
+        groups[(c.backbone, c.method, c.beta, c.seed)].append(c)
+    out = []
+    for parts in groups.values():
+        if len(parts) == 1 or not all(p.data for p in parts):
+            out.extend(parts)
+            continue
+        summaries = [(p, p.summary()) for p in parts]
+        if any(s is None for _, s in summaries):
+            out.extend(p for p, s in summaries if s is not None)
+            continue
+        combined: dict = {"datasets": {}, "groups": {}}
+        for p, s in summaries:
+            for section in ("datasets", "groups"):
+                for name, entry in s[section].items():
+                    if section == "groups" and name == "all":
+                        continue
+                    if name in combined[section]:
+                        raise ReportInputError(
+                            f"{p.summary_path}: {section}.{name} is also evaluated by another "
+                            f"track of {p.backbone}/{p.method}; give each dataset one track")
+                    combined[section][name] = entry
+            for key in ("criterion", "label"):
+                combined.setdefault(key, s.get(key))
+        rows = [e for e in combined["datasets"].values() if e.get("n")]
+        n = sum(e["n"] for e in rows)
+        if n:
+            combined["groups"]["all"] = {
+                "n": n, **{m: sum(e["n"] * e[m] for e in rows) / n for m in ("em", "f1")
+                           if all(e.get(m) is not None for e in rows)}}
+        first = parts[0]
+        cell = Cell(first.path, first.backbone, first.method, first.beta, first.seed,
+                    "+".join(sorted(p.data for p in parts)))
+        cell._cache["summary"] = combined
+        out.append(cell)
+    return out
+
+
+def split_tracks(cells: list[Cell]) -> list[Cell]:
+    """For the plots: each track of a backbone is plotted on its own, as `<backbone>/<track>`."""
+    return [c if not c.data else Cell(c.path, f"{c.backbone}/{c.data}", c.method, c.beta,
+                                      c.seed, c.data) for c in cells]
 
 
 def load_summary(path: str | Path) -> dict:

@@ -577,10 +577,10 @@ def write_plots(cfg: ReportConfig, cells: list[Cell], out_dir: str | Path) -> li
 
 def main(config: str | Path | None, section: str | None, runs: str | Path | None,
          cells: list[str] | None, out: str | Path) -> int:
-    from a2tgpo.report import discover_cells, load_report_config
+    from a2tgpo.report import discover_cells, load_report_config, split_tracks
 
     cfg = load_report_config(config, section)
-    written = write_plots(cfg, discover_cells(runs, cells), out)
+    written = write_plots(cfg, split_tracks(discover_cells(runs, cells)), out)
     for path in written:
         print(path)
     if not written:

@@ -402,10 +402,10 @@ def write_tables(cfg: ReportConfig, cells: list[Cell], out_dir: str | Path) -> l
 
 def main(config: str | Path | None, section: str | None, runs: str | Path | None,
          cells: list[str] | None, out: str | Path) -> int:
-    from a2tgpo.report import discover_cells, load_report_config
+    from a2tgpo.report import discover_cells, load_report_config, merge_tracks
 
     cfg = load_report_config(config, section)
-    found = discover_cells(runs, cells)
+    found = merge_tracks(discover_cells(runs, cells))
     for path in write_tables(cfg, found, out):
         print(path)
     return 0
