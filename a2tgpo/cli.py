@@ -360,6 +360,37 @@ def cmd_plots(args) -> int:
     return _report(args, plots)
 
 
+def cmd_sweep_trial(args) -> int:
+    from a2tgpo import sweep
+    from a2tgpo.config import load_config
+    from a2tgpo.train.config import TrainConfig
+
+    if args.log:
+        sweep.redirect_to_log(args.log)
+    cfg = sweep.load_sweep(args.sweep)
+    base = load_config(TrainConfig, args.base)
+    try:
+        sweep.run_trial(cfg, args.index, base, out=args.out)
+    except sweep.SweepError as e:
+        print(f"a2tgpo sweep-trial: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_sweep_summary(args) -> int:
+    from a2tgpo import sweep
+
+    cfg = sweep.load_sweep(args.sweep)
+    try:
+        summary = sweep.summarize(cfg, args.dir)
+    except sweep.SweepError as e:
+        print(f"a2tgpo sweep-summary: error: {e}", file=sys.stderr)
+        return 1
+    print(sweep.format_summary(summary))
+    print(f"-> {args.dir}/summary.json, {args.dir}/best.png")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -693,6 +724,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report_args(p, "output directory of the plots")
     p.set_defaults(func=cmd_plots)
+
+    p = sub.add_parser(
+        "sweep-trial",
+        help="one trial of an Optuna β/γ sweep: ask, train, tell (a DAG job)",
+        description="Run trial INDEX of the sweep (config/sweeps/<name>.yaml): create or load "
+        "the Optuna study in <results>/<study>/sweeps/<name>/journal.log, fail trials of this "
+        "index left RUNNING by a killed job and re-enqueue their β/γ (training then resumes "
+        "from the run's checkpoints), ask, train the base config with the trial's β/γ and "
+        "the sweep's overrides in trials/INDEX/run, tell the best dev EM, and write "
+        "trials/INDEX/result.json atomically.",
+        formatter_class=fmt,
+    )
+    p.add_argument("sweep", help="sweep config file (config/sweeps/<name>.yaml)")
+    p.add_argument("--index", type=int, required=True, help="trial index, 0 .. n_trials-1")
+    p.add_argument("--base", required=True,
+                   help="the base cell's resolved TrainConfig (sweeps/<name>/base.yaml)")
+    p.add_argument("--out", default=None,
+                   help="result file (default: <results>/<study>/sweeps/<name>/trials/INDEX/"
+                   "result.json)")
+    p.add_argument("--log", default=None,
+                   help="send logging and training output here; stdout keeps one line at the "
+                   "trial's start and one at its end")
+    p.set_defaults(func=cmd_sweep_trial)
+
+    p = sub.add_parser(
+        "sweep-summary",
+        help="summarise an Optuna β/γ sweep: best trial, all trials, plots",
+        description="Read trials/<i>/result.json of every trial of the sweep and its Optuna "
+        "journal, write summary.json (best params and value, every trial, the study's trial "
+        "states) and best.png (objective per trial; β/γ scatter coloured by it) into DIR, and "
+        "print the table.",
+        formatter_class=fmt,
+    )
+    p.add_argument("sweep", help="sweep config file (config/sweeps/<name>.yaml)")
+    p.add_argument("--dir", required=True, help="the sweep's folder (<results>/<study>/sweeps/"
+                   "<name>)")
+    p.set_defaults(func=cmd_sweep_summary)
     return parser
 
 

@@ -1,2 +1,114 @@
-# Optuna sweeps (a2tgpo/sweep.py): one study per config/sweeps/<name>.yaml listed in the study
-# config's `sweeps`; trials are DAG jobs. Rules are added here with the sweep module.
+# Optuna sweeps of β/γ (a2tgpo/sweep.py): one Optuna study per sweep config listed in the
+# study config's `sweeps`, stored in <R>/sweeps/<name>/journal.log. Each trial is a job of its
+# own (ask -> train -> dev EM -> tell), so Snakemake runs as many at once as cores/resources
+# allow; `snakemake sweep_<name>` runs one sweep (not part of the default target).
+# A trial's run folder is a param, not an output: a killed trial's rerun resumes it.
+
+import json
+
+from a2tgpo.algo.methods import get_method
+from a2tgpo.config import ConfigError, to_dict
+from a2tgpo.grid import Cell, normalize_beta
+from a2tgpo.sweep import check_method, load_sweep
+
+
+def _load_sweeps():
+    sweeps = {}
+    for i, path in enumerate(STUDY.sweeps):
+        try:
+            sw = load_sweep(path)
+            if sw.base.backbone not in STUDY.backbones:
+                raise ConfigError(f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
+                                  f"the study's backbones ({', '.join(STUDY.backbones)})")
+            method = get_method(sw.base.method, STUDY.methods_dir)
+            check_method(sw, method, path)
+        except ConfigError as e:
+            sys.exit(f"invalid config: sweeps[{i}]: {e}")
+        if sw.name in sweeps:
+            sys.exit(f"invalid config: sweeps[{i}]: {path}: name {sw.name!r} is also the name "
+                     f"of {sweeps[sw.name][0]}")
+        sweeps[sw.name] = (path, sw, Cell(sw.base.backbone, sw.base.method,
+                                          normalize_beta(method.advantage.beta),
+                                          sw.base.seed))
+    return sweeps
+
+
+SWEEPS = _load_sweeps()  # name -> (file, SweepConfig, base cell)
+
+
+def sweep_base(name):
+    """The base cell's resolved TrainConfig (each trial then sets its run folder, β/γ, and
+    the sweep's overrides)."""
+    return resolve_cell(SWEEPS[name][2].path)
+
+
+wildcard_constraints:
+    sweep=r"[a-z][a-z0-9_]*",
+    trial=r"[0-9]+",
+
+
+rule sweep_base_config:
+    """The base cell's resolved config; its params are the resolved values, so editing the
+    study config reruns the sweep's trials."""
+    output:
+        f"{R}/sweeps/{{sweep}}/base.yaml",
+    params:
+        resolved=lambda wc: json.dumps(to_dict(sweep_base(wc.sweep)), sort_keys=True),
+    localrule: True
+    run:
+        from a2tgpo.config import dump_config
+
+        dump_config(sweep_base(wildcards.sweep), output[0])
+
+
+rule sweep_trial:
+    """Trial i: ask (or retry the params of a trial a killed job left RUNNING), train, tell
+    the best dev EM. The sweep file is a param by path: raising n_trials adds trial jobs;
+    other edits are refused by the trial (the journal records the sweep's settings)."""
+    input:
+        base=f"{R}/sweeps/{{sweep}}/base.yaml",
+        data=f"{R}/data/summary.json",
+        index=f"{R}/index/check.json",
+        policy=lambda wc: policy_inputs(SWEEPS[wc.sweep][1].base.backbone),
+        mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
+    output:
+        f"{R}/sweeps/{{sweep}}/trials/{{trial}}/result.json",
+    log:
+        f"{R}/logs/sweeps/{{sweep}}/trial_{{trial}}.log",
+    params:
+        sweep=lambda wc: SWEEPS[wc.sweep][0],
+    threads: TRAIN.threads
+    resources:
+        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[SWEEPS[wc.sweep][1].base.backbone].needs_build else 1,
+        runtime=TRAIN.runtime_min,
+        mem_mb=TRAIN.mem_mb,
+    shell:
+        "OMP_NUM_THREADS={threads} a2tgpo sweep-trial {params.sweep} --index {wildcards.trial} "
+        "--base {input.base} --out {output} --log {log}"
+
+
+rule sweep_summary:
+    """Best params and value, every trial, and best.png; the table is printed too."""
+    input:
+        lambda wc: [f"{R}/sweeps/{wc.sweep}/trials/{i}/result.json"
+                    for i in range(SWEEPS[wc.sweep][1].n_trials)],
+    output:
+        summary=f"{R}/sweeps/{{sweep}}/summary.json",
+        plot=f"{R}/sweeps/{{sweep}}/best.png",
+    log:
+        f"{R}/logs/sweeps/{{sweep}}/summary.log",
+    params:
+        sweep=lambda wc: SWEEPS[wc.sweep][0],
+    localrule: True
+    shell:
+        "a2tgpo sweep-summary {params.sweep} --dir {R}/sweeps/{wildcards.sweep} 2>&1 | tee {log}"
+
+
+for _name in SWEEPS:
+
+    rule:
+        name:
+            f"sweep_{_name}"
+        input:
+            f"{R}/sweeps/{_name}/summary.json",
+        localrule: True
