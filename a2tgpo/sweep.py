@@ -162,6 +162,8 @@ class SweepBase:
     method: str = option("a2tgpo", "Method id (config/methods/<id>.yaml); it must read the "
                                    "searched keys (β: igpo_family; γ: igpo_family or gigpo).")
     seed: int = option(1, "Training seed of every trial.")
+    track: str = option("", "Training track (a key of the study's `tracks`); empty = the "
+                            "study's single implicit track (a study without tracks).")
 
 
 @dataclass(frozen=True)
@@ -566,7 +568,7 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
         if run_dir.exists() and not run_config_matches(cfg):
             move_aside(run_dir, "its checkpoints belong to a different config (other β/γ, or "
                                 "a changed base config or overrides)")
-        resume = " (same params as failed trial #%d; resuming its checkpoints)" % \
+        resume = " (same params as failed trial #%d; resuming its run folder)" % \
             claim.retry_of if claim.retry_of is not None else ""
         _say(f"{head} start: {_fmt(values)}{resume} -> {cfg.run_dir}")
         try:
@@ -606,9 +608,9 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
 
 
 def pick_best(rows: list[dict], direction: str) -> dict:
-    """The best result row (ties: the lowest index)."""
+    """The best result row (ties: the lowest Optuna trial number, as study.best_trial)."""
     sign = 1 if direction == "maximize" else -1
-    return min(rows, key=lambda r: (-sign * r["value"], r["index"]))
+    return min(rows, key=lambda r: (-sign * r["value"], r["number"], r["index"]))
 
 
 def summarize(sweep: SweepConfig, directory: str | Path, *, plot: bool = True) -> dict:
@@ -668,6 +670,7 @@ def plot_sweep(summary: dict, path: str | Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(idx, val, "o", label="trial")
     a.step(idx, running, where="post", label="best so far")
+    a.set_xticks(idx)
     a.set_xlabel("trial index")
     a.set_ylabel(summary["metric"])
     a.set_title(f"sweep {summary['sweep']}: {summary['metric']} per trial")

@@ -213,7 +213,7 @@ def test_killed_trial_resumes_with_same_params(tmp_path, capsys):
     assert states == [TrialState.FAIL, TrialState.COMPLETE]
     out = capsys.readouterr().out  # one line at the start, one at the end
     assert "[sweep s] trial 2/4 (Optuna #1) start: beta=" in out
-    assert "resuming its checkpoints" in out
+    assert "resuming its run folder" in out
     assert "[sweep s] trial 2/4 (Optuna #1) done: val/em" in out
 
 
@@ -288,9 +288,9 @@ def test_objective_reads_metrics_with_resumed_rows_winning(tmp_path):
 
 
 def test_pick_best():
-    rows = [{"index": 0, "value": 0.3}, {"index": 1, "value": 0.5}, {"index": 2, "value": 0.5},
-            {"index": 3, "value": 0.1}]
-    assert sw.pick_best(rows, "maximize")["index"] == 1  # ties: the lowest index
+    rows = [{"index": 0, "number": 0, "value": 0.3}, {"index": 1, "number": 3, "value": 0.5},
+            {"index": 2, "number": 2, "value": 0.5}, {"index": 3, "number": 1, "value": 0.1}]
+    assert sw.pick_best(rows, "maximize")["index"] == 2  # ties: the first Optuna trial
     assert sw.pick_best(rows, "minimize")["index"] == 3
 
 

@@ -20,6 +20,9 @@ def _load_sweeps():
             if sw.base.backbone not in STUDY.backbones:
                 raise ConfigError(f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
                                   f"the study's backbones ({', '.join(STUDY.backbones)})")
+            if sw.base.track not in TRACKS:
+                raise ConfigError(f"{path}: base.track: {sw.base.track!r} is not one of the "
+                                  f"study's tracks ({', '.join(map(repr, TRACKS))})")
             method = get_method(sw.base.method, STUDY.methods_dir)
             check_method(sw, method, path)
         except ConfigError as e:
@@ -29,7 +32,7 @@ def _load_sweeps():
                      f"of {sweeps[sw.name][0]}")
         sweeps[sw.name] = (path, sw, Cell(sw.base.backbone, sw.base.method,
                                           normalize_beta(method.advantage.beta),
-                                          sw.base.seed))
+                                          sw.base.seed, sw.base.track))
     return sweeps
 
 
@@ -67,7 +70,7 @@ rule sweep_trial:
     other edits are refused by the trial (the journal records the sweep's settings)."""
     input:
         base=f"{R}/sweeps/{{sweep}}/base.yaml",
-        data=f"{R}/data/summary.json",
+        data=lambda wc: f"{data_dir(SWEEPS[wc.sweep][1].base.track)}/summary.json",
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(SWEEPS[wc.sweep][1].base.backbone),
         mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
