@@ -578,14 +578,18 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
             train_fn(cfg)
             value = objective(cfg.run_dir, sweep.metric, sweep.direction)
         except Exception as e:
-            log.error("sweep %s trial %d: training failed (%s: %s); Optuna trial #%d marked "
+            # (KeyboardInterrupt / SystemExit, e.g. preemption, pass through: the trial stays
+            # RUNNING, and the rerun of this index fails it and resumes with the same params)
+            log.error("sweep %s trial %d: training failed (%s: %s); marking Optuna trial #%d "
                       "FAIL; a rerun retries the same params", sweep.name, index,
                       type(e).__name__, e, claim.number)
-            with contextlib.suppress(Exception):
+            try:
                 teller(study).tell(claim.number, state=TrialState.FAIL, skip_if_finished=True)
+            except Exception as e2:
+                log.error("sweep %s trial %d: Optuna could not mark trial #%d FAIL (%s: %s); "
+                          "the rerun treats it as stale", sweep.name, index, claim.number,
+                          type(e2).__name__, e2)
             raise
-        # KeyboardInterrupt / SystemExit (preemption): the trial stays RUNNING; the rerun of
-        # this index fails it and resumes with the same params
         _optuna(sweep, directory, f"tell (trial #{claim.number}, value {value})",
                 lambda: teller(study).tell(claim.number, value, skip_if_finished=True))
     seconds = time.perf_counter() - t0
