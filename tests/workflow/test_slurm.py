@@ -1,7 +1,10 @@
-"""A real SLURM cluster runs the toy grid through profiles/slurm.
+"""profiles/slurm: its resource mapping in a dry run, and a real SLURM cluster running the toy grid.
+
+The dry-run test (seconds, no SLURM needed) checks what each job of config/paper.yaml asks for.
+The cluster test:
 
 tests/workflow/slurm/cluster.sh starts a private single-node cluster on localhost (its own munged,
-slurmctld and slurmd, 8 fake GPUs in gres.conf). The toy study of tests/workflow/slurm/
+slurmctld and slurmd, 8 fake GPUs in gres.conf). The toy study shrunk by tests/workflow/slurm/
 toy_config.yaml (two grpo cells, tiny world) then runs with the command the README gives
 (`snakemake --workflow-profile profiles/slurm`). While it runs, the training job of one cell is
 requeued (`scontrol requeue`, as a preemption does) and the training job of the other cell is
@@ -11,7 +14,10 @@ cancelled job's failure and exits non-zero. A plain rerun then completes only wh
 Also checked: GPU rules got their GPUs (--gpus, never --ntasks-per-gpu), CPU rules none.
 
 Needs root and Debian's slurmctld, slurmd, slurm-client and munge (`bash tests/workflow/slurm/
-cluster.sh install`); skipped with the reason otherwise. About 4-5 minutes on 2 cores.
+cluster.sh install`); skipped with the reason otherwise. It takes 4-5 minutes on 2 cores (most
+of it the plugin's status polling, whose interval grows by 10 s while no job finishes, and each
+job re-reading the workflow), so it is marked `expensive` and left out of CI:
+`./run pytest -m expensive tests/workflow/test_slurm.py`.
 """
 
 import os
@@ -32,9 +38,11 @@ HERE = Path(__file__).resolve().parent / "slurm"
 BIN = Path(sys.executable).parent
 SNAKEMAKE = str(BIN / "snakemake")
 
-# What the test builds. The grid's tables need every cell evaluated; recall.json is a branch of
-# the DAG that does not depend on training, so it must finish although a training job fails.
-TARGETS = ["results/toy/tables/main.md", "results/toy/retrieval/recall.json"]
+# What the test builds. The grid's tables and plots need every cell evaluated; recall.json is a
+# branch of the DAG that does not depend on training, so it must finish although a training job
+# fails.
+TARGETS = ["results/toy/tables/main.md", "results/toy/plots/index.json",
+           "results/toy/retrieval/recall.json"]
 CELL = "results/toy/runs/backbone~toy/method~grpo/beta~0/seed~{}"
 REQUEUE = ("train", "seed~1")  # rule, and a piece of its wildcards: requeued once while running
 CANCEL = ("train", "seed~2")   # cancelled while running: the failure the run must report
@@ -43,11 +51,8 @@ CANCEL = ("train", "seed~2")   # cancelled while running: the failure the run mu
 COMMAND = [SNAKEMAKE, *TARGETS, "--workflow-profile", "profiles/slurm",
            "--slurm-init-seconds-before-status-checks", "1",
            "--seconds-between-status-checks", "1",
-           "--jobs", "4", "--latency-wait", "5",
-           "--configfile", str(HERE / "toy_config.yaml")]
+           "--jobs", "4", "--latency-wait", "5"]
 RUN_TIMEOUT = 900
-
-pytestmark = pytest.mark.slow
 
 
 def _missing_prerequisite():
@@ -62,7 +67,7 @@ def _missing_prerequisite():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     reason = _missing_prerequisite()
     if reason:
         pytest.skip(reason)
@@ -70,6 +75,7 @@ def cluster():
     cdir = Path(tempfile.mkdtemp(prefix="a2tgpo-slurm-"))
     r = subprocess.run(["bash", str(HERE / "cluster.sh"), "start", str(cdir)],
                        capture_output=True, text=True, timeout=120)
+    logs = tmp_path_factory.mktemp("slurm-logs")  # the daemons' logs, kept for a failure
     try:
         if r.returncode != 0:
             pytest.skip(f"could not start a local SLURM cluster: {r.stderr[-2000:]}")
@@ -81,6 +87,8 @@ def cluster():
     finally:
         subprocess.run(["bash", str(HERE / "cluster.sh"), "stop", str(cdir)],
                        capture_output=True, text=True, timeout=60)
+        if (cdir / "log").is_dir():
+            shutil.copytree(cdir / "log", logs, dirs_exist_ok=True)
         shutil.rmtree(cdir, ignore_errors=True)
 
 
@@ -91,6 +99,23 @@ def workdir(tmp_path):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     return tmp_path
+
+
+def merge(base, over):
+    """Mappings merge key by key, anything else is replaced (as Snakemake merges configs)."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+    return over
+
+
+@pytest.fixture
+def toy_workdir(workdir):
+    """The working copy with the small study of slurm/toy_config.yaml as its default study."""
+    cfg_file = workdir / "config/config.yaml"
+    cfg = merge(yaml.safe_load(cfg_file.read_text()),
+                yaml.safe_load((HERE / "toy_config.yaml").read_text()))
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return workdir
 
 
 def jobs(env):
@@ -137,7 +162,56 @@ def run_snakemake(workdir, env, log, interventions=None):
     return proc.returncode, log.read_text()
 
 
-def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, workdir):
+def dry_run_jobs(workdir, *args):
+    """`snakemake -n` of the paper study with the given profile arguments: one (rule, threads,
+    resources) per job (--cores only lifts the dry run's cap of 1 on the threads it prints)."""
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    r = subprocess.run([SNAKEMAKE, "-n", "--cores", "1024", *args,
+                        "--configfile", "config/paper.yaml"],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = []
+    for block in re.split(r"\n(?=rule \w+:\n)", r.stdout):
+        m = re.match(r"rule (\w+):\n", block)
+        if not m:
+            continue
+        res = re.search(r"^    resources: (.*)$", block, re.M)
+        threads = re.search(r"^    threads: (\d+)$", block, re.M)
+        found.append((m.group(1), int(threads.group(1)) if threads else 1,
+                      dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {}))
+    return found
+
+
+def test_profile_resource_mapping_dry_run(workdir):
+    train = yaml.safe_load((workdir / "config/paper.yaml").read_text())["train"]
+    jobs_ = dry_run_jobs(workdir, "--workflow-profile", "profiles/slurm")
+    by_rule = {}
+    for rule, threads, res in jobs_:
+        by_rule.setdefault(rule, (threads, res))
+        assert "tasks" not in res, (rule, res)  # GPU jobs would get --ntasks-per-gpu
+        assert "gres" not in res, (rule, res)   # gpu and gres together send both flags
+    # grid jobs: GPUs, CPUs (threads), wall time and memory from the study config (train.*)
+    threads, res = by_rule["train"]
+    assert threads == train["threads"] and "cpus_per_task" not in res, res
+    assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
+        train["nproc"] * train["nodes"], train["mem_mb"], train["runtime_min"]), res
+    assert by_rule["evaluate"][1]["gpu"] == "1"
+    # CPU jobs: no GPU, the profile's CPUs and memory
+    assert "gpu" not in by_rule["prepare_track_data"][1], by_rule["prepare_track_data"]
+    assert by_rule["prepare_track_data"][1]["cpus_per_task"] == "4"
+    assert by_rule["download_corpus"][1]["runtime"] == "720"
+
+    # why the README says --workflow-profile: with --profile, profiles/default is still applied
+    # on top (key by key) and its `resources: gpu: 0` scales every GPU request down to 0
+    jobs_ = dry_run_jobs(workdir, "--profile", "profiles/slurm")
+    assert {res.get("gpu") for rule, _, res in jobs_ if rule == "train"} == {"0"}, \
+        "profiles/default no longer zeroes GPUs under --profile: update README/profile notes"
+
+
+@pytest.mark.slow
+@pytest.mark.expensive
+def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, toy_workdir):
+    workdir = toy_workdir
     env = cluster
     t0 = time.monotonic()
     done, running_since, cancelled = {}, {}, []
@@ -153,11 +227,14 @@ def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, workdir):
                 subprocess.run(["scontrol", "requeue", jid], env=env, check=True)
                 done["requeued"] = jid
         jid = done.get("requeued")
-        if jid and "released" not in done and table.get(jid, ("",))[0] == "PENDING":
-            # SLURM holds a requeued job ~2 min (BeginTime): make it eligible at once
-            subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"],
-                           env=env, check=True)
-            done["released"] = jid
+        if jid and table.get(jid, ("",))[0] == "PENDING":
+            # SLURM holds a requeued job ~2 min (BeginTime): once the old run has completed
+            # (while it completes, an update of StartTime does not stick), make it eligible
+            info = show_job(env, jid)
+            if info["JobState"] == "PENDING" and info["Reason"] == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"],
+                               env=env, check=True)
+                done["released"] = jid
         # the profile's `retries` resubmits a failed job: cancel every attempt
         jid = find(table, *CANCEL, states={"RUNNING"})
         if jid and jid not in cancelled:
