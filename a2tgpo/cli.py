@@ -288,11 +288,14 @@ def cmd_rerun(args) -> int:
     root = str(study.root)
     # the default tables if the cell is in a default set, else its own set's tables
     if sets:
-        targets = [f"{root}/tables/main.md", f"{root}/plots/index.json"]
+        targets, refresh = [f"{root}/tables/main.md", f"{root}/plots/index.json"], ["tables",
+                                                                                 "plots"]
     else:
         name = next(n for n, cells in by_set.items() if cell in cells)
-        targets = [f"{root}/tables/{name}/main.md"]
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--configfile", args.configfile]
+        targets, refresh = [f"{root}/tables/{name}/main.md"], ["set_tables"]
+    # forced explicitly: Snakemake does not rerun an existing target whose input was removed
+    cmd = [sys.executable, "-m", "snakemake", *targets, "--configfile", args.configfile,
+           "--forcerun", f"{root}/runs/{cell.path}/summary.json", *refresh]
     if args.overrides:
         cmd += ["--config", *args.overrides]
     cmd += args.snakemake_args

@@ -57,9 +57,9 @@ def test_invalid_config_fails_before_any_job(workdir, override, needle):
     assert not (workdir / "results").exists()
 
 
-@pytest.mark.slow
-def test_toy_stages_run_and_rerun_is_noop(workdir):
-    # shrink the world so this stays a few seconds; the DAG is the same
+def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
+    """The toy study shrunk to seconds per stage: a small world, one SFT epoch, a 3-cell grid
+    of 2 training steps. The DAG is the same one `snakemake` runs."""
     cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
     cfg["world"].update(people=40, films=20, companies=10, bands=8, cities=12, distractors=10)
     cfg["world"]["qa_sets"] = [
@@ -71,7 +71,22 @@ def test_toy_stages_run_and_rerun_is_noop(workdir):
     cfg["data"]["dev_size"] = 6
     cfg["sft"] = {"epochs": 1, "max_questions": 12, "datasets": ["toy_nq/train"]}
     cfg["data"]["test"] = [t for t in cfg["data"]["test"] if t["name"] in ("toy_nq", "toy_hotpotqa")]
+    cfg["grid"] = {"default": ["mini"], "sets": {
+        "mini": {"methods": list(methods), "seeds": [1]},
+        "beta": {"methods": ["a2tgpo"], "betas": [0, 0.5], "seeds": [1]}}}
+    cfg["train"]["schedule"].update(steps=2, prompts_per_step=2, mini_batch_prompts=1,
+                                    eval_every=2, save_every=2, eval_questions=4)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    return cfg
+
+
+CELLS = [f"backbone~toy/method~{m}/beta~{b}/seed~1"
+         for m, b in (("react", "0"), ("grpo", "0"), ("a2tgpo", "0.3"))]
+
+
+@pytest.mark.slow
+def test_toy_dag_end_to_end(workdir):
+    small_toy(workdir)
     r = smk(workdir)
     assert r.returncode == 0, r.stderr[-3000:]
     res = workdir / "results/toy"
@@ -80,11 +95,58 @@ def test_toy_stages_run_and_rerun_is_noop(workdir):
     assert (res / "backbone/model.safetensors").exists()
     assert (res / "sft/model.safetensors").exists()
     assert json.loads((res / "retrieval/recall.json").read_text())["dense"]["n"] > 0
+
+    # every cell trained (2 steps; ReAct evaluates its starting policy), selected, evaluated
+    for cell in CELLS:
+        run = res / "runs" / cell
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 2
+        best = json.loads((run / "best.json").read_text())
+        assert best["criterion"] == "dev_em" and (run / best["checkpoint"]).is_dir()
+        ev = json.loads((run / "eval/summary.json").read_text())
+        # 10 toy_nq test + 10 toy_hotpotqa dev questions (the papers' test-or-dev rule)
+        assert {k: v["n"] for k, v in ev["datasets"].items()} == {"toy_nq": 10,
+                                                                   "toy_hotpotqa": 10}
+    main = (res / "tables/main.md").read_text()
+    for label in ("ReAct", "GRPO", "A2TGPO"):
+        assert label in main
+    assert json.loads((res / "plots/index.json").read_text())["plots"]
+
+    # MLflow: one run per cell, holding training and evaluation metrics
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{res.resolve() / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("toy")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.data.tags["cell"] for r in runs) == sorted(CELLS)
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert "test/toy_nq/em" in run.data.metrics and "val/em" in run.data.metrics
+        if run.data.tags["method"] != "react":
+            assert "train/reward" in run.data.metrics
+
     # nothing changed -> nothing to do
     r = smk(workdir, "-n")
     assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
-    # a changed world section reruns the world and everything downstream of it
-    (workdir / "seed1.yaml").write_text("world: {seed: 1}\n")
+
+    # rerunning one cell retrains and re-evaluates it alone, then refreshes the tables
+    before = {c: (res / "runs" / c / "summary.json").stat().st_mtime_ns for c in CELLS}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([str(Path(sys.executable).parent / "a2tgpo"), "rerun", "method=grpo",
+                        "--", "--cores", "2"], cwd=workdir, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = {c: (res / "runs" / c / "summary.json").stat().st_mtime_ns for c in CELLS}
+    assert [c for c in CELLS if after[c] != before[c]] == [CELLS[1]]
+    assert list((res / "archive" / CELLS[1]).iterdir())  # the old run is kept, not deleted
+    assert (res / "tables/main.md").stat().st_mtime_ns > before[CELLS[1]]
+
+    # a changed world section reruns the world and everything downstream of it (a
+    # --configfile stands alone, so the edited study is a full copy)
+    cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    cfg["world"]["seed"] = 1
+    (workdir / "seed1.yaml").write_text(yaml.safe_dump(cfg))
     r = smk(workdir, "-n", "--quiet", "rules", "--configfile", "seed1.yaml")
     assert r.returncode == 0, r.stderr
-    assert "world" in r.stdout and "prepare_data" in r.stdout
+    for rule in ("world", "prepare_data", "train", "evaluate", "tables"):
+        assert rule in r.stdout
