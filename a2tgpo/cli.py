@@ -288,7 +288,7 @@ def cmd_rerun(args) -> int:
     root = str(study.root)
     # the default tables if the cell is in a default set, else its own set's tables
     if sets:
-        targets, refresh = [f"{root}/tables/main.md", f"{root}/plots/index.json"], ["tables",
+        targets, refresh = [f"{root}/tables/main.md", f"{root}/plots"], ["tables",
                                                                                  "plots"]
     else:
         name = next(n for n, cells in by_set.items() if cell in cells)

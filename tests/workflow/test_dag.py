@@ -129,6 +129,15 @@ def test_toy_dag_end_to_end(workdir):
     r = smk(workdir, "-n")
     assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
 
+    # the Snakemake report collects the tables and plots with their captions
+    r = smk(workdir, "--report", "report.zip")
+    assert r.returncode == 0, r.stderr[-3000:]
+    import zipfile
+
+    names = zipfile.ZipFile(workdir / "report.zip").namelist()
+    assert any(n.endswith("main.md") for n in names)
+    assert any(n.endswith("dev_em.png") for n in names)
+
     # rerunning one cell retrains and re-evaluates it alone, then refreshes the tables
     before = {c: (res / "runs" / c / "summary.json").stat().st_mtime_ns for c in CELLS}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}

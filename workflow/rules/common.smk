@@ -45,7 +45,7 @@ def corpus_file():
 def all_targets():
     targets = [f"{data_dir(t)}/summary.json" for t in STUDY.track_names] + [
                corpus_file(), f"{R}/index/check.json",
-               f"{R}/tables/main.md", f"{R}/plots/index.json"]
+               f"{R}/tables/main.md", f"{R}/plots"]
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]

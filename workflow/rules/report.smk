@@ -15,7 +15,13 @@ rule tables:
         cells=cell_outputs(DEFAULT_CELLS),
         cfg=f"{R}/configs/report.yaml",
     output:
-        [f"{R}/tables/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
+        [
+            report(f"{R}/tables/{t}.md", caption=f"../report/table_{t}.rst", category="Tables")
+            if ext == "md"
+            else f"{R}/tables/{t}.{ext}"
+            for t in TABLES
+            for ext in ("md", "tex", "csv")
+        ],
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     log:
@@ -30,7 +36,14 @@ rule plots:
         cells=cell_outputs(DEFAULT_CELLS),
         cfg=f"{R}/configs/report.yaml",
     output:
-        index=f"{R}/plots/index.json",
+        plots=report(
+            directory(f"{R}/plots"),
+            patterns=["{panel}/{kind}.png"],
+            caption="../report/plots.rst",
+            category="Plots",
+            subcategory="{panel}",
+            labels={"panel": "{panel}", "plot": "{kind}"},
+        ),
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     log:
