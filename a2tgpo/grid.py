@@ -265,6 +265,12 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
     except ValueError as e:
         raise ConfigError(f"cell {cell.path} (study config train section and overrides): "
                           f"{e}") from None
+    if train.selection == "test_avg":
+        # the papers' protocol evaluates every saved checkpoint: none may be pruned
+        sched = cfg.schedule
+        keep = sched.steps // sched.save_every + 2
+        if sched.keep_last < keep:
+            cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(sched, keep_last=keep))
     if cfg.method.advantage.beta != cell.beta:  # the path must say what the run does
         raise ConfigError(f"cell {cell.path}: an override changed method.advantage.beta to "
                           f"{cfg.method.advantage.beta}; set betas in grid.sets instead")

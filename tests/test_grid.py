@@ -122,3 +122,22 @@ def test_cell_config_errors_name_the_cell_and_key():
     sneaky = from_dict(TrainSection, {"overrides": ["method.advantage.beta=0.2"]})
     with pytest.raises(ConfigError, match="set betas in grid.sets"):
         _resolve(Cell("toy", "a2tgpo", 0.3, 1), sneaky)
+
+
+def test_papers_selection_keeps_every_checkpoint():
+    # 240 steps saved every 20 -> checkpoints 0, 20, ..., 240 = 13; nothing may be pruned
+    train = from_dict(TrainSection, {"selection": "test_avg",
+                                     "schedule": {"steps": 240, "save_every": 20,
+                                                  "keep_last": 2}})
+    assert _resolve(Cell("toy", "grpo", 0.0, 1), train).schedule.keep_last >= 13
+    dev = from_dict(TrainSection, {"schedule": {"keep_last": 2}})
+    assert _resolve(Cell("toy", "grpo", 0.0, 1), dev).schedule.keep_last == 2
+
+
+def test_track_component_round_trips():
+    cell = Cell("qwen3-4b", "grpo", 0.0, 1, "multi_hop")
+    assert cell.path == "backbone~qwen3-4b/data~multi_hop/method~grpo/beta~0/seed~1"
+    assert Cell.parse(cell.path) == cell
+    grid = GridConfig(sets={"main": CellSet(methods=("grpo",))})
+    cells = cells_of(grid, "main", ("b",), BETAS, ("multi_hop", "single_hop"))
+    assert [c.data for c in cells] == ["multi_hop", "single_hop"]

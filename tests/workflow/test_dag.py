@@ -159,3 +159,28 @@ def test_toy_dag_end_to_end(workdir):
     assert r.returncode == 0, r.stderr
     for rule in ("world", "prepare_data", "train", "evaluate", "tables"):
         assert rule in r.stdout
+
+
+def test_dry_run_papers_selection_evaluates_every_checkpoint(workdir):
+    r = smk(workdir, "-n", "--quiet", "rules", "--config", "train={'selection': 'test_avg'}")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "evaluate_all" in out
+    # the default selection (dev EM) plans no test-set evaluation of every checkpoint
+    r = smk(workdir, "-n", "--quiet", "rules")
+    assert "evaluate_all" not in r.stdout
+
+
+def test_dry_run_paper_grid(workdir):
+    r = smk(workdir, "-n", "--quiet", "rules", "--configfile", "config/paper.yaml")
+    assert r.returncode == 0, r.stderr
+    counts = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            counts[parts[0]] = int(parts[1])
+    # 3 backbones x 2 tracks x 9 main methods = 54, Tree-GRPO on Qwen2.5-7B x 2 tracks = 2,
+    # ablation cells on Qwen3-4B: 15 methods x 2 tracks = 30, of which igpo, a2tgpo and
+    # at2po (6 cells) are already main cells -> 54 + 2 + 24 = 80
+    assert counts["train"] == counts["evaluate"] == counts["cell_config"] == 80
+    assert counts["prepare_track_data"] == 2 and counts["download_corpus"] == 1
