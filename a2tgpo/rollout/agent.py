@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -105,6 +106,7 @@ class SearchTool:
         self.head = self._ids(head)
         self.tail = self._ids(tail)
         self.calls = 0
+        self.seconds = 0.0  # wall time inside the retriever (part of the rollout time)
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -114,7 +116,9 @@ class SearchTool:
         if not queries:
             return []
         self.calls += 1
+        t0 = time.perf_counter()
         hits = self.retriever.search(queries, self.cfg.topk)
+        self.seconds += time.perf_counter() - t0
         out = []
         for h in hits:
             body = self._ids(format_passages(h, self.cfg.prompt_style, self.cfg.max_passage_chars))

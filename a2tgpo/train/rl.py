@@ -449,7 +449,7 @@ def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, tra
     kept: list[Trajectory] = []
     gen_batches = 0
     want = sched.prompts_per_step
-    calls_before = tool.calls
+    calls_before, retrieval_before = tool.calls, tool.seconds
     while True:
         gen_batches += 1
         n_prompts = want * (method.dapo.gen_batch_multiplier
@@ -487,6 +487,9 @@ def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, tra
                 "(dapo.max_num_gen_batches); the policy's rewards are nearly constant")
     trajs = kept
     retrieval_calls = int(backend.all_reduce_sum(float(tool.calls - calls_before)))
+    # retrieval happens inside the rollout: reported on its own, and taken out of "rollout"
+    timings["retrieval"] = tool.seconds - retrieval_before
+    timings["rollout"] -= timings["retrieval"]
 
     # 5. information gain + old log-probs (one fused forward), reference log-probs: each rank
     # scores rows rank::world, then the rows are gathered back into batch order
@@ -678,7 +681,8 @@ def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, tra
     for k, v in timings.items():
         metrics[f"time/{k}"] = v
     gen_tokens = sum(len(x.action_ids) for t in trajs for x in t.turns)
-    metrics["throughput/rollout_tokens_per_s"] = gen_tokens / max(1e-9, timings["rollout"])
+    metrics["throughput/rollout_tokens_per_s"] = gen_tokens / max(
+        1e-9, timings["rollout"] + timings["retrieval"])
     metrics["throughput/update_tokens_per_s"] = float(batch.attention_mask.sum()) \
         * sched.ppo_epochs / max(1e-9, timings["update"])
     seen: Counter = Counter()
