@@ -6,7 +6,7 @@ The cluster test:
 tests/workflow/slurm/cluster.sh starts a private single-node cluster on localhost (its own munged,
 slurmctld and slurmd, 8 fake GPUs in gres.conf). The toy study shrunk by tests/workflow/slurm/
 toy_config.yaml (two grpo cells, tiny world) then runs with the command the README gives
-(`snakemake --workflow-profile profiles/slurm`). While it runs, the training job of one cell is
+(`snakemake --profile slurm`). While it runs, the training job of one cell is
 requeued (`scontrol requeue`, as a preemption does) and the training job of the other cell is
 cancelled (`scancel`). The run must go on with --keep-going: the requeued cell trains again,
 is selected and evaluated, the independent retrieval check finishes, and Snakemake reports the
@@ -48,7 +48,7 @@ REQUEUE = ("train", "seed~1")  # rule, and a piece of its wildcards: requeued on
 CANCEL = ("train", "seed~2")   # cancelled while running: the failure the run must report
 # The profile as users run it, plus faster status polling than a real cluster needs (the
 # cluster keeps finished jobs in squeue for an hour, so squeue status works with 1 s).
-COMMAND = [SNAKEMAKE, *TARGETS, "--workflow-profile", "profiles/slurm",
+COMMAND = [SNAKEMAKE, *TARGETS, "--profile", "slurm",
            "--slurm-init-seconds-before-status-checks", "1",
            "--seconds-between-status-checks", "1",
            "--jobs", "4", "--latency-wait", "5"]
@@ -98,6 +98,7 @@ def workdir(tmp_path):
     for name in ("Snakefile", "workflow", "config", "profiles"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    (tmp_path / "slurm").symlink_to(os.readlink(ROOT / "slurm"))  # `--profile slurm`
     return tmp_path
 
 
@@ -201,11 +202,12 @@ def test_profile_resource_mapping_dry_run(workdir):
     assert by_rule["prepare_track_data"][1]["cpus_per_task"] == "4"
     assert by_rule["download_corpus"][1]["runtime"] == "720"
 
-    # why the README says --workflow-profile: with --profile, profiles/default is still applied
-    # on top (key by key) and its `resources: gpu: 0` scales every GPU request down to 0
-    jobs_ = dry_run_jobs(workdir, "--profile", "profiles/slurm")
-    assert {res.get("gpu") for rule, _, res in jobs_ if rule == "train"} == {"0"}, \
-        "profiles/default no longer zeroes GPUs under --profile: update README/profile notes"
+    # the commands the README gives: --profile slurm (the root link) and the folder's path;
+    # profiles/default, applied on top as the workflow profile, must not change any request
+    for profile in ("slurm", "profiles/slurm"):
+        again = dry_run_jobs(workdir, "--profile", profile)
+        norm = lambda js: sorted(repr((r, t, sorted(res.items()))) for r, t, res in js)  # noqa: E731
+        assert norm(again) == norm(jobs_), profile
 
 
 @pytest.mark.slow
