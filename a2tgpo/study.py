@@ -33,7 +33,7 @@ from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.grid import CellSet, GridConfig, TrackConfig, TrainSection, validate_grid
 from a2tgpo.tracking import TrackingConfig
-from a2tgpo.train.sft import SftConfig
+from a2tgpo.train.config import SftConfig
 
 
 def _default_grid() -> GridConfig:

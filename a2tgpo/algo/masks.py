@@ -12,14 +12,9 @@ micro-batch losses (gradient accumulation) and average over ranks (as DDP/ZeRO d
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                              "seq-mean-token-sum-norm")
+from a2tgpo.algo.types import AGG_MODES, AggMode  # noqa: F401 (re-exported)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

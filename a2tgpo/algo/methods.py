@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from a2tgpo.algo.masks import AggMode
+from a2tgpo.algo.types import AggMode
 from a2tgpo.config import ConfigError, load_config, option
 
 Estimator = Literal["none", "grpo", "gigpo", "igpo_family", "tree_grpo", "at2po"]

@@ -40,64 +40,9 @@ import requests
 import uvicorn
 from fastapi.responses import JSONResponse
 
-from a2tgpo.config import option
-from a2tgpo.retrieval.base import Hit, Retriever
+from a2tgpo.retrieval.base import Hit, HttpConfig, Retriever  # noqa: F401 (HttpConfig re-exported)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    """The retrieval server (`a2tgpo serve-retriever`) and the client that talks to it."""
-
-    url: str = option(
-        "http://127.0.0.1:8000/retrieve",
-        "Client: full URL of the /retrieve endpoint (ours or a Search-R1 retrieval server).",
-    )
-    timeout_s: float = option(
-        30.0, "Client: connect and read timeout of one HTTP attempt, in seconds."
-    )
-    retries: int = option(
-        3,
-        "Client: attempts in total per request (>= 1) before giving up; connection errors, "
-        "timeouts and HTTP 5xx are retried, HTTP 4xx and malformed responses are not.",
-    )
-    backoff_s: float = option(
-        0.5, "Client: sleep before the 2nd attempt, in seconds; doubled before each later one."
-    )
-    max_batch_queries: int = option(
-        512, "Client: most queries sent in one request; longer query lists go in several."
-    )
-    host: str = option(
-        "127.0.0.1",
-        "Server: address to bind. 0.0.0.0 makes it reachable from other machines, without any "
-        "authentication.",
-    )
-    port: int = option(8000, "Server: TCP port to listen on (Search-R1's default is 8000).")
-    max_batch: int = option(
-        256,
-        "Server: most queries per retriever call; concurrent requests are merged up to this. "
-        "One request larger than this is served alone, unsplit.",
-    )
-    max_wait_ms: float = option(
-        5.0,
-        "Server: after the first request of a batch arrives, how long to wait for more before "
-        "searching, in milliseconds (latency traded for larger batches).",
-    )
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
-        for name in ("retries", "max_batch_queries", "max_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("backoff_s", "max_wait_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in 0..65535, got {self.port}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,9 +20,8 @@ from typing import Literal
 import numpy as np
 
 from a2tgpo.config import option
-from a2tgpo.retrieval.base import Hit, Retriever
+from a2tgpo.retrieval.base import Hit, HttpConfig, Retriever
 from a2tgpo.retrieval.encoders import Encoder, EncoderConfig
-from a2tgpo.retrieval.http import HttpConfig
 from a2tgpo.retrieval.index import IndexConfig
 from a2tgpo.rollout.prompts import A2TGPO_EMPTY_RESULT, PromptStyle
 

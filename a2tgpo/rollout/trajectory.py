@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where batches are built: configs stay import-light
+    import torch
+
 
 TurnStop = Literal[
     "search",      # ended with a search call; an observation follows
@@ -190,6 +192,8 @@ class Batch:
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     """Stack trajectories into a `Batch`, checking the mask invariants."""
+    import torch
+
     if not trajectories:
         raise ValueError("nothing to collate")
     B = len(trajectories)

@@ -89,3 +89,45 @@ class TrainConfig:
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens})")
         if self.zero_stage not in (1, 2, 3):
             raise ValueError("zero_stage must be 1, 2 or 3")
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    """The supervised warm start (sft section)."""
+
+    seed: int = option(0, "Seed of the demonstration choices, the data order and torch.")
+    datasets: tuple[str, ...] = option(
+        ("toy_nq/train", "toy_hotpotqa/train"),
+        "World QA files <dataset>/<split> (qa/<dataset>/<split>.jsonl) to write demonstrations "
+        "for; their rows need metadata.lookups.")
+    max_questions: int | None = option(
+        None, "Use at most this many questions (a seeded sample); null = all.")
+    imperfect_fraction: float = option(
+        0.25, "Share of demonstrations that are deliberately imperfect (guess, early answer, "
+        "wrong query), so the starting policy leaves RL room to improve.")
+    # toy defaults, measured on 2 CPU cores: 12 epochs of the 540 training demonstrations
+    # take about 160 s and give greedy dev EM ~0.3 (0.42 single-hop, 0.26 multi-hop)
+    epochs: int = option(12, "Passes over the demonstrations.")
+    lr: float = option(5e-3, "Peak AdamW learning rate.")
+    warmup_ratio: float = option(0.05, "Share of the steps with a linear warm-up to lr.")
+    weight_decay: float = option(0.01, "AdamW weight decay.")
+    batch_size: int = option(4, "Sequences per optimiser step.")
+    grad_clip: float = option(1.0, "Gradient-norm clip (0 = off).")
+    max_seq_len: int = option(
+        2048, "Demonstrations longer than this (prompt + response tokens) are left out.")
+    log_every: int = option(10, "Optimiser steps between loss updates of the progress bar.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.imperfect_fraction <= 1.0:
+            raise ValueError("imperfect_fraction must be in [0, 1]")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError("warmup_ratio must be in [0, 1)")
+        if min(self.epochs, self.batch_size, self.max_seq_len, self.log_every) < 1:
+            raise ValueError("epochs, batch_size, max_seq_len and log_every must be >= 1")
+        if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("lr must be > 0, weight_decay and grad_clip >= 0")
+        if self.max_questions is not None and self.max_questions < 1:
+            raise ValueError("max_questions must be >= 1 or null")
+        for d in self.datasets:
+            if d.count("/") != 1 or not all(d.split("/")):
+                raise ValueError(f"datasets entry {d!r} must be <dataset>/<split>")
