@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -66,6 +67,13 @@ def _type_name(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return f"mapping ({tp.__name__})"
     return getattr(tp, "__name__", str(tp))
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints, once per class: it re-evaluates every annotation string, and the
+    DAG validates hundreds of nested configs."""
+    return typing.get_type_hints(cls)
 
 
 def _fail(source: str, path: str, msg: str) -> ConfigError:
@@ -133,7 +141,7 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
     """Build dataclass `cls` from a plain mapping, strictly (see module docstring)."""
     if not isinstance(data, dict):
         raise _fail(source, path, f"expected a mapping ({cls.__name__}), got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
@@ -256,7 +264,7 @@ def dump_config(obj: Any, path: str | Path) -> None:
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """Rows (dotted key, type, default, doc) for every key of `cls`, nested sections included."""
     rows = []
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
@@ -296,7 +304,7 @@ def _schema(tp: Any) -> dict:
 
 def json_schema(cls: type) -> dict:
     """JSON schema (draft 2020-12 subset) of dataclass `cls`, with each key's doc as description."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     props, required = {}, []
     for f in dataclasses.fields(cls):
         prop = _schema(hints[f.name])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -200,7 +201,6 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
                   source: str, study_tracks: tuple[str, ...] = ("",)
                   ) -> dict[str, tuple[float, bool]]:
     """Check every id the grid names; returns method id -> (own beta, reads beta)."""
-    from a2tgpo.algo.methods import get_method
 
     out: dict[str, tuple[float, bool]] = {}
     for name, s in grid.sets.items():
@@ -215,7 +215,7 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
         for i, m in enumerate(s.methods):
             if m not in out:
                 try:
-                    cfg = get_method(m, methods_dir)
+                    cfg = _method(m, methods_dir)
                 except ConfigError as e:
                     raise ConfigError(f"{source}: grid.sets.{name}.methods[{i}]: {e}") from None
                 out[m] = (cfg.advantage.beta, cfg.advantage.estimator == "igpo_family")
@@ -228,14 +228,21 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _method(method_id: str, methods_dir: str):
+    """The method file, read once per process (the DAG resolves hundreds of cells)."""
+    from a2tgpo.algo.methods import get_method
+
+    return get_method(method_id, methods_dir)
+
+
 def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: TrainSection,
                 methods_dir: str, retrieval, tracking, train_file: str, dev_file: str,
                 corpus: str, index: str | None):
     """The resolved TrainConfig of one cell (what `a2tgpo train` reads)."""
-    from a2tgpo.algo.methods import get_method
     from a2tgpo.train.config import TrainConfig
 
-    method = get_method(cell.method, methods_dir)
+    method = _method(cell.method, methods_dir)
     method = dataclasses.replace(
         method, advantage=dataclasses.replace(method.advantage, beta=cell.beta))
     # a plain mapping first: the overrides may fix what the defaults alone would fail on
