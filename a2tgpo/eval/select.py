@@ -10,6 +10,12 @@ Two criteria (DESIGN §3 "Selection and evaluation"):
   `<cell>/eval_all/step_NNNNNN/summary.json`) and the one with the best sample-weighted average
   EM over all test questions is chosen. This selects on the test set; tables label it so.
 
+Step 0 (the starting policy, saved before the first update) is a candidate only when it is the
+only checkpoint, i.e. for ReAct: a trained method reports a trained checkpoint, as the papers
+do (they save every 20 steps from step 20). Otherwise a cell whose training has not yet
+beaten its warm start would silently report the starting policy, and every method's row would
+be ReAct's.
+
 Ties go to the EARLIEST step under both criteria (the first checkpoint that reached the best
 value; training's own best-step bookkeeping uses the same rule, a strict `>`).
 
@@ -163,6 +169,8 @@ def select_checkpoint(cell_dir: str | Path, criterion: Criterion = "dev_em", *,
                 f"{datasets[first]}; step {differ[0]}: {datasets[differ[0]]}); re-run "
                 "`a2tgpo evaluate --all-checkpoints` with one set of test files")
         candidates = {s: float(v["groups"]["all"]["em"]) for s, v in summaries.items()}
+    if any(s > 0 for s in candidates) and 0 in candidates:
+        candidates = {s: v for s, v in candidates.items() if s > 0}  # see the module docstring
     bad = [s for s, v in candidates.items() if not math.isfinite(v)]
     if bad:
         raise SelectionError(f"{cell}: non-finite {criterion} values at steps {bad}")

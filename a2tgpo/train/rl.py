@@ -278,7 +278,9 @@ def train(cfg: TrainConfig) -> dict:
                        "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
                        "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
                        "val/seconds": time.perf_counter() - t0}
-            if em > best["val_em"]:
+            # the best trained checkpoint (selection never reports step 0 of a trained
+            # method), kept from pruning
+            if em > best["val_em"] and (step > 0 or not method.train):
                 best.update(step=step, val_em=em)
             if main:
                 log.info("step %d validation: EM %.3f on %d dev questions", step, em,

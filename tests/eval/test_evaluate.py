@@ -213,12 +213,13 @@ def test_all_checkpoints_then_test_avg_selection(toy_cell, own_cell):
     assert [r["step"] for r in logged] == [0, 2]
     assert logged[1]["test_by_checkpoint/all/em"] == pytest.approx(s2["groups"]["all"]["em"])
 
-    # a tie in test average goes to the earliest step
+    # the trained checkpoint is selected (step 0, the starting policy, is no candidate when
+    # a later checkpoint exists)
     assert main(["select", str(cell), "--criterion", "test_avg"]) == 0
     best = json.loads((cell / "best.json").read_text())
-    assert (best["step"], best["criterion"]) == (0, "test_avg")
-    assert best["value"] == s0["groups"]["all"]["em"]
-    assert best["candidates"] == {"0": best["value"], "2": best["value"]}
+    assert (best["step"], best["criterion"]) == (2, "test_avg")
+    assert best["value"] == s2["groups"]["all"]["em"]
+    assert best["candidates"] == {"2": best["value"]}
 
     # a rerun keeps finished steps instead of evaluating them again
     stamp = (cell / "eval_all" / "step_000002" / "summary.json").stat().st_mtime_ns

@@ -35,10 +35,11 @@ def test_dev_em_later_row_wins_after_resume(tmp_path):
     cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5), (20, 0.9)], [(20, 0.4), (30, 0.6)]],
                      complete=(0, 10, 20, 30))
     best = select_checkpoint(cell)
-    # candidates by the later rows: {0: .2, 10: .5, 20: .4, 30: .6} -> step 30 (0.9 is stale)
+    # candidates by the later rows: {10: .5, 20: .4, 30: .6} -> step 30 (0.9 is stale; step 0,
+    # the starting policy, is no candidate when trained checkpoints exist)
     assert best == {"criterion": "dev_em", "label": "dev EM", "step": 30,
                     "checkpoint": "checkpoints/step_000030/model", "value": 0.6,
-                    "candidates": {"0": 0.2, "10": 0.5, "20": 0.4, "30": 0.6}}
+                    "candidates": {"10": 0.5, "20": 0.4, "30": 0.6}}
 
 
 def test_dev_em_only_steps_with_complete_checkpoints(tmp_path):
@@ -47,13 +48,22 @@ def test_dev_em_only_steps_with_complete_checkpoints(tmp_path):
                      complete=(0, 10), incomplete=(20,))
     best = select_checkpoint(cell)
     assert best["step"] == 10 and best["value"] == 0.5
-    assert best["candidates"] == {"0": 0.2, "10": 0.5}
+    assert best["candidates"] == {"10": 0.5}
 
 
 def test_dev_em_ties_go_to_the_earliest_step(tmp_path):
     cell = make_cell(tmp_path, [[(0, 0.1), (10, 0.5), (20, 0.3), (30, 0.5)]],
                      complete=(0, 10, 20, 30))
     assert select_checkpoint(cell)["step"] == 10
+
+
+def test_trained_cell_never_reports_its_starting_policy(tmp_path):
+    # the warm start (step 0) scored best on dev, training did not beat it: the cell still
+    # reports its best trained checkpoint (10: 0.3 over 20: 0.2), not step 0's 0.4
+    cell = make_cell(tmp_path, [[(0, 0.4), (10, 0.3), (20, 0.2)]], complete=(0, 10, 20))
+    best = select_checkpoint(cell)
+    assert (best["step"], best["value"]) == (10, 0.3)
+    assert best["candidates"] == {"10": 0.3, "20": 0.2}
 
 
 def test_react_cell_has_only_step_zero(tmp_path):
@@ -89,7 +99,8 @@ def eval_all_summary(cell, step, em_all, datasets=("a", "b")):
 
 
 def test_test_avg_picks_the_best_overall_average_earliest_on_ties(tmp_path):
-    # dev EM would pick step 0; the test averages pick 10 (0.4 at 10 and 20: earliest)
+    # test averages: 10 and 20 tie at 0.4 -> the earliest, 10 (step 0, the starting policy,
+    # is no candidate)
     cell = make_cell(tmp_path, [[(0, 0.9), (10, 0.1), (20, 0.1)]], complete=(0, 10, 20))
     for step, em in ((0, 0.3), (10, 0.4), (20, 0.4)):
         eval_all_summary(cell, step, em)
@@ -98,8 +109,8 @@ def test_test_avg_picks_the_best_overall_average_earliest_on_ties(tmp_path):
     best = select_checkpoint(cell, "test_avg")
     assert best == {"criterion": "test_avg", "label": "best test average (papers' protocol)",
                     "step": 10, "checkpoint": "checkpoints/step_000010/model", "value": 0.4,
-                    "candidates": {"0": 0.3, "10": 0.4, "20": 0.4}}
-    assert select_checkpoint(cell)["step"] == 0
+                    "candidates": {"10": 0.4, "20": 0.4}}
+    assert select_checkpoint(cell)["step"] == 10  # dev EM: 0.1 at 10 and 20 -> earliest
 
 
 def test_test_avg_needs_every_checkpoint_and_the_same_test_sets(tmp_path):
@@ -118,7 +129,7 @@ def test_test_avg_ignores_evaluations_of_pruned_checkpoints(tmp_path):
     for step, em in ((0, 0.3), (10, 0.2), (20, 0.9)):  # step 20's checkpoint is gone
         eval_all_summary(cell, step, em)
     best = select_checkpoint(cell, "test_avg")
-    assert best["step"] == 0 and best["candidates"] == {"0": 0.3, "10": 0.2}
+    assert best["step"] == 10 and best["candidates"] == {"10": 0.2}
 
 
 def test_write_best_is_atomic_and_read_back(tmp_path):
