@@ -96,25 +96,19 @@ def _smooth(s: dict[int, float], window: int) -> dict[int, float]:
 def read_rollouts(cell_dir: str | Path) -> list[dict] | None:
     """rollouts.jsonl of a cell (None when absent). A truncated last line (a writer killed
     mid-line) is ignored; a bad line elsewhere raises, naming file and line."""
+    from a2tgpo.tracking import read_metrics
+
     path = Path(cell_dir) / ROLLOUTS_FILE
     if not path.exists():
         return None
-    lines = path.read_text().split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                log.warning("%s: ignoring a truncated last line", path)
-                break
-            raise ReportInputError(f"{path}:{i + 1}: not valid JSON: {e}") from e
+    try:
+        rows = read_metrics(cell_dir, ROLLOUTS_FILE)  # the same JSON-lines rules
+    except ValueError as e:
+        raise ReportInputError(str(e)) from e
+    for i, row in enumerate(rows):
         for key in ("step", "group", "index", "turns"):
             if key not in row:
                 raise ReportInputError(f"{path}:{i + 1}: missing key {key!r}")
-        rows.append(row)
     return rows
 
 
