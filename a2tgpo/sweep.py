@@ -462,7 +462,10 @@ def _fmt(params: dict) -> str:
 
 
 def objective(run_dir: str | Path, metric: str, direction: str) -> float:
-    """Best value of `metric` over the run's metrics.jsonl (a resumed step's later row wins)."""
+    """Best value of `metric` over the run's trained steps in metrics.jsonl (a resumed step's
+    later row wins). Step 0, the starting policy, counts only when it is all there is: every
+    trial starts from it, so it would tie trials that training has not yet moved (as
+    checkpoint selection, a2tgpo/eval/select.py)."""
     from a2tgpo.tracking import read_metrics
 
     try:
@@ -477,6 +480,8 @@ def objective(run_dir: str | Path, metric: str, direction: str) -> float:
     if not by_step:
         raise SweepError(f"{run_dir}/metrics.jsonl has no value of {metric!r} (the sweep's "
                          "metric); check the key (e.g. val/em)")
+    if len(by_step) > 1:
+        by_step.pop(0, None)
     return max(by_step.values()) if direction == "maximize" else min(by_step.values())
 
 

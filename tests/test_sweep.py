@@ -280,7 +280,10 @@ def test_objective_reads_metrics_with_resumed_rows_winning(tmp_path):
             {"step": 4, "val/em": 0.5}, {"step": 8, "val/em": 0.4}]  # redone after resume
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert sw.objective(tmp_path, "val/em", "maximize") == 0.5
-    assert sw.objective(tmp_path, "val/em", "minimize") == 0.2
+    # trained steps only: {4: 0.5, 8: 0.4} -> min 0.4 (step 0's 0.2 is the starting policy)
+    assert sw.objective(tmp_path, "val/em", "minimize") == 0.4
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/em": 0.2}) + "\n")
+    assert sw.objective(tmp_path, "val/em", "maximize") == 0.2  # nothing trained yet
     with pytest.raises(sw.SweepError, match="no value of 'val/f1'"):
         sw.objective(tmp_path, "val/f1", "maximize")
     with pytest.raises(sw.SweepError, match="no metrics.jsonl"):
