@@ -56,7 +56,8 @@ from a2tgpo.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-# training's validation seed (rl.train: validate); greedy decoding does not draw from it
+# = a2tgpo.train.rl.VALIDATION_SEED (not imported: this module stays light for the CLI);
+# greedy decoding does not draw from it
 EVAL_SEED = 10_000_019
 # questions per rollout call: large waves; also the granularity of the progress bar
 DEFAULT_CHUNK = 1024
@@ -167,19 +168,19 @@ def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | Non
     the hf engine; None = CPU_MAX_BATCH on CPU, the engine's default on GPU.
     """
     from a2tgpo.model.backbone import load_model, load_tokenizer
-    from a2tgpo.train.rl import _make_engine
+    from a2tgpo.train.rl import make_engine
 
     backbone = dataclasses.replace(cfg.backbone, path=str(model_dir), revision=None)
     cfg = dataclasses.replace(cfg, backbone=backbone)
     tok = load_tokenizer(backbone)
     if cfg.engine == "vllm":
         if engine is None:
-            engine = _make_engine(cfg, None, tok)
+            engine = make_engine(cfg, None, tok)
         else:
             engine.update_weights(load_model(backbone, "cpu").state_dict())
         return cfg, tok, engine
     device = _device(cfg)
-    engine = _make_engine(cfg, load_model(backbone, device), tok)
+    engine = make_engine(cfg, load_model(backbone, device), tok)
     if max_batch is not None or device == "cpu":
         engine.max_batch = max_batch or CPU_MAX_BATCH
     return cfg, tok, engine

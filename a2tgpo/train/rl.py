@@ -250,7 +250,7 @@ def train(cfg: TrainConfig) -> dict:
     backend = _make_backend(cfg, model, optimizer)
     if ckpt is not None and distributed:
         backend.load_state(ckpt / "backend")
-    engine = _make_engine(cfg, backend.unwrapped, tok)
+    engine = make_engine(cfg, backend.unwrapped, tok)
 
     tags = {"method": method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
             "beta": str(method.advantage.beta), "gamma": str(method.advantage.gamma),
@@ -269,7 +269,7 @@ def train(cfg: TrainConfig) -> dict:
             backend.unwrapped.eval()
             t0 = time.perf_counter()
             mine = dev_qs[backend.rank::backend.world_size]
-            trajs = score(cfg, tok, rollout(cfg, mine, engine, tool, seed=10_000_019,
+            trajs = score(cfg, tok, rollout(cfg, mine, engine, tool, seed=VALIDATION_SEED,
                                             greedy=True), training=False)
             trajs = [t for part in backend.all_gather_object(trajs) for t in part]
             em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
@@ -343,6 +343,9 @@ def train(cfg: TrainConfig) -> dict:
 
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+# the seed of greedy validation and evaluation rollouts (greedy decoding draws nothing from it;
+# one constant keeps validation and test evaluation the same computation)
+VALIDATION_SEED = 10_000_019
 
 
 def _write_config(cfg: TrainConfig, path: Path) -> None:
@@ -391,7 +394,7 @@ def _write_rollouts(path: Path, step: int, trajs: list[dict]) -> None:
             f.write(json.dumps({"step": step, **t}) + "\n")
 
 
-def _make_engine(cfg: TrainConfig, model, tok):
+def make_engine(cfg: TrainConfig, model, tok):
     if cfg.engine == "hf":
         from a2tgpo.rollout.hf_engine import HfEngine
 
