@@ -18,6 +18,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/index.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/sweep.smk"
 

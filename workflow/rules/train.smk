@@ -1,6 +1,6 @@
-# Training: one resolved config per cell, one training job per cell, then checkpoint selection.
-# Checkpoints are not outputs (Snakemake deletes the outputs of failed jobs): a failed or
-# preempted job leaves its checkpoints, and the rerun resumes from the last complete one.
+# Training: one resolved config per cell and one training job per cell (eval.smk selects and
+# evaluates). Checkpoints are not outputs (Snakemake deletes the outputs of failed jobs): a
+# failed or preempted job leaves its checkpoints, and the rerun resumes from the last one.
 
 import json
 
@@ -65,68 +65,3 @@ rule train:
         mem_mb=TRAIN.mem_mb,
     shell:
         "OMP_NUM_THREADS={threads} {params.cmd} {input.cfg} > {log} 2>&1"
-
-
-rule evaluate_all:
-    """The papers' protocol (train.selection: test_avg): every saved checkpoint on the test
-    sets. Finished steps are kept in eval_all/ if the job dies; the marker is the output."""
-    input:
-        cfg=f"{R}/runs/{{cell}}/config.yaml",
-        train=f"{R}/runs/{{cell}}/summary.json",
-        data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
-    output:
-        f"{R}/runs/{{cell}}/eval_all.done",
-    params:
-        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
-    log:
-        f"{R}/logs/runs/{{cell}}/evaluate_all.log",
-    threads: TRAIN.threads
-    resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
-        runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
-    shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --all-checkpoints "
-        "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval_all > {log} 2>&1 "
-        "&& touch {output}"
-
-
-rule select:
-    """The checkpoint evaluation uses: best dev EM (default) or the papers' best test average
-    (train.selection: test_avg; the tables label it so)."""
-    input:
-        train=f"{R}/runs/{{cell}}/summary.json",
-        all=[f"{R}/runs/{{cell}}/eval_all.done"] if TRAIN.selection == "test_avg" else [],
-    output:
-        f"{R}/runs/{{cell}}/best.json",
-    log:
-        f"{R}/logs/runs/{{cell}}/select.log",
-    params:
-        criterion=TRAIN.selection,
-    localrule: True
-    shell:
-        "a2tgpo select {R}/runs/{wildcards.cell} --criterion {params.criterion} --out {output} "
-        "> {log} 2>&1"
-
-
-rule evaluate:
-    """Greedy rollouts of the selected checkpoint on every test set: EM/F1 per dataset and
-    sample-weighted group averages, logged into the cell's MLflow run."""
-    input:
-        cfg=f"{R}/runs/{{cell}}/config.yaml",
-        best=f"{R}/runs/{{cell}}/best.json",
-        data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
-    output:
-        f"{R}/runs/{{cell}}/eval/summary.json",
-    log:
-        f"{R}/logs/runs/{{cell}}/evaluate.log",
-    params:
-        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
-    threads: TRAIN.threads
-    resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
-        runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
-    shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --best {input.best} "
-        "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
