@@ -3,6 +3,7 @@
 A *cell* is one training run of the grid, a directory
 
     <runs>/backbone~<b>/method~<m>/beta~<beta>/seed~<s>/
+    (<runs>/backbone~<b>/data~<track>/method~... in studies with training tracks)
 
 holding `config.yaml`, `metrics.jsonl` (read only through `a2tgpo.tracking.read_metrics`),
 `rollouts.jsonl`, `best.json` and `eval/summary.json`. The wildcard values are read back from

@@ -35,6 +35,7 @@ from a2tgpo.algo.losses import entropy_aware_advantage, kl_penalty, policy_loss
 from a2tgpo.algo.masks import aggregate_loss, gather_turns, local_denominators
 from a2tgpo.algo.rewards import score_response
 from a2tgpo.config import dump_config, to_dict
+from a2tgpo.grid import format_value
 from a2tgpo.rollout.agent import Question, SearchTool, rollout_chains
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.train.config import TrainConfig
@@ -253,7 +254,8 @@ def train(cfg: TrainConfig) -> dict:
     engine = make_engine(cfg, backend.unwrapped, tok)
 
     tags = {"method": method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
-            "beta": str(method.advantage.beta), "gamma": str(method.advantage.gamma),
+            "beta": format_value(method.advantage.beta),
+            "gamma": format_value(method.advantage.gamma),
             "cell": cfg.cell, "stage": "train"}
     if main:
         tracker = Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or method.id,
@@ -271,7 +273,7 @@ def train(cfg: TrainConfig) -> dict:
             mine = dev_qs[backend.rank::backend.world_size]
             trajs = score(cfg, tok, rollout(cfg, mine, engine, tool, seed=VALIDATION_SEED,
                                             greedy=True), training=False)
-            trajs = [t for part in backend.all_gather_object(trajs) for t in part]
+            trajs = _gather(backend, trajs)
             em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
             metrics = {"val/em": em,
                        "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
@@ -435,8 +437,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _gather(backend, items: list) -> list:
     """Concatenate every rank's list, in rank order (the same list on every rank)."""
-    if backend.world_size == 1:
-        return items
     return [x for part in backend.all_gather_object(items) for x in part]
 
 
@@ -509,8 +509,7 @@ def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, tra
         my_igs, fused, my_stats = information_gains(cfg, model, tok, [trajs[b] for b in mine],
                                                     device)
         igs = [None] * B
-        parts = backend.all_gather_object((mine, my_igs, fused, my_stats)) if world > 1 else \
-            [(mine, my_igs, fused, my_stats)]
+        parts = backend.all_gather_object((mine, my_igs, fused, my_stats))
         ig_stats = defaultdict(float)
         for rows, part_igs, part_lps, part_stats in parts:
             for b, ig_b, lp in zip(rows, part_igs, part_lps):

@@ -112,6 +112,12 @@ def resolve_cell(path):
     )
 
 
+def job_gpus(backbone_id, n=1):
+    """GPUs a training/evaluation job of this backbone requests: none on CPU studies and for
+    built (toy) backbones, else n."""
+    return 0 if STUDY.train.device == "cpu" or BACKBONES[backbone_id].needs_build else n
+
+
 def cell_outputs(cells):
     """The per-cell files a finished cell has (evaluation last)."""
     return [f"{run_dir(c.path)}/eval/summary.json" for c in cells]

@@ -17,7 +17,7 @@ rule evaluate_all:
         f"{R}/logs/runs/{{cell}}/evaluate_all.log",
     threads: TRAIN.threads
     resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
+        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
     shell:
@@ -59,7 +59,7 @@ rule evaluate:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     threads: TRAIN.threads
     resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else 1,
+        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
     shell:

@@ -82,7 +82,7 @@ rule sweep_trial:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
     threads: TRAIN.threads
     resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[SWEEPS[wc.sweep][1].base.backbone].needs_build else 1,
+        gpu=lambda wc: job_gpus(SWEEPS[wc.sweep][1].base.backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
     shell:

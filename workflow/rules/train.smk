@@ -60,7 +60,7 @@ rule train:
         cmd=lambda wc, threads: train_command(wc, threads),
     threads: TRAIN.threads
     resources:
-        gpu=lambda wc: 0 if TRAIN.device == "cpu" or BACKBONES[Cell.parse(wc.cell).backbone].needs_build else TRAIN.nproc,
+        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, TRAIN.nproc),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
     shell:
