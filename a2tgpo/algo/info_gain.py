@@ -51,3 +51,42 @@ def information_gain(
     if first_turn == "skip":
         mask &= t > 1
     return torch.where(mask, ig, torch.zeros_like(ig)), mask
+
+
+def ig_by_turn(
+    *,
+    ig_BC: torch.Tensor,
+    ig_mask_BC: torch.Tensor,
+    tool_call_BK: torch.Tensor,
+    num_turns_B: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move IG from tool-call index c to turn index k: the c-th tool call's IG goes to the turn
+    that made that call.
+
+    Turns and tool calls differ where a turn ends without a call but the episode goes on (an
+    invalid action that is retried, a call-limit warning), so the k-th turn is not the k-th
+    call. Only process turns (k < T_b − 1) keep an IG: the final turn's credit is the outcome
+    alone (A2TGPO Eq. 9), whatever it ended with.
+
+    Args:
+      ig_BC, ig_mask_BC: IG of tool call c and whether it exists (`information_gain`'s output).
+      tool_call_BK: turn k of trajectory b ended with a tool call.
+      num_turns_B: T_b, turns per trajectory including the final one.
+    Returns ig_BK (0 where absent) and ig_mask_BK, both (B, K).
+
+    Shapes: ig_BC, ig_mask_BC (B, C); tool_call_BK (B, K); num_turns_B (B,).
+    """
+    B, K = tool_call_BK.shape
+    calls = tool_call_BK.bool()
+    call_index_BK = calls.long().cumsum(1) - 1  # index of the call made at turn k
+    C = ig_BC.shape[1]
+    if bool((calls & (call_index_BK >= C)).any()):
+        raise ValueError(f"a trajectory makes more tool calls than the {C} IG columns given")
+    process_BK = torch.arange(K, device=calls.device)[None, :] < (num_turns_B[:, None] - 1)
+    if C == 0:
+        return (torch.zeros(B, K, dtype=ig_BC.dtype, device=calls.device),
+                torch.zeros(B, K, dtype=torch.bool, device=calls.device))
+    idx = call_index_BK.clamp(0, C - 1)
+    mask_BK = calls & process_BK & torch.gather(ig_mask_BC.bool(), 1, idx)
+    ig_BK = torch.where(mask_BK, torch.gather(ig_BC, 1, idx), torch.zeros((), dtype=ig_BC.dtype))
+    return ig_BK, mask_BK

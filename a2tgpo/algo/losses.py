@@ -150,7 +150,9 @@ def policy_loss(*, logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: tor
                             (they sum to pg_clipfrac);
           pg_clipfrac_dual  verl's (misnamed) `pg_clipfrac_lower`: A < 0 and the PPO loss
                             exceeds −A·dual_clip, i.e. the dual clip is active; 0 without it;
-          ppo_kl            verl `ppo_kl`: mean of −(token log-ratio) at every ratio level;
+          ppo_kl            verl `ppo_kl`: mean of −(log π − log π_old) per token, clamped
+                            to ±20 at token level (verl vanilla), unclamped at sequence and
+                            turn level (verl GSPO);
           ratio_mean, ratio_min, ratio_max   of the ratio in the objective (NaN if no token);
           pg_clipfrac_by_turn   {turn k: pg_clipfrac over turn k's tokens}, turns present only
                             (only when turn_id_BT is given).
@@ -220,7 +222,10 @@ def policy_loss(*, logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: tor
             "pg_clipfrac_high": masked_mean(high.to(logp_BT.dtype), mask_BT),
             "pg_clipfrac_low": masked_mean(low.to(logp_BT.dtype), mask_BT),
             "pg_clipfrac_dual": masked_mean(dual.to(logp_BT.dtype), mask_BT),
-            "ppo_kl": masked_mean(-tok_log_ratio_BT.detach(), mask_BT),
+            # verl: the clamped log-ratio at token level (compute_policy_loss_vanilla), the
+            # unclamped one under a composed ratio (compute_policy_loss_gspo)
+            "ppo_kl": masked_mean(-(tok_log_ratio_BT if ratio_level == "token"
+                                    else logp_BT - old_logp_BT).detach(), mask_BT),
             "ratio_mean": r_valid.mean() if r_valid.numel() else nan,
             "ratio_min": r_valid.min() if r_valid.numel() else nan,
             "ratio_max": r_valid.max() if r_valid.numel() else nan,
@@ -268,29 +273,15 @@ def kl_penalty(*, logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: KLKind
 # entropy
 
 
-def entropy_from_logits(*, logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per token: H = logsumexp(z) − Σ_v softmax(z)_v z_v.
+def entropy_from_logprobs(*, logp_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy per token from normalised log-probabilities: H = −Σ_v p_v log p_v, p = exp(log p).
 
-    Stable for large logits (no exp of unshifted values); logits must be finite.
+    Takes log_softmax output (finite), which the log-prob pass has anyway, so no second softmax
+    over the vocabulary is needed.
 
-    Shapes: logits_BTV (B, T, V) -> (B, T).
+    Shapes: logp_BTV (B, T, V) -> (B, T).
     """
-    probs = torch.softmax(logits_BTV, dim=-1)
-    return torch.logsumexp(logits_BTV, dim=-1) - (probs * logits_BTV).sum(-1)
-
-
-def masked_entropy(*, logits_BTV: torch.Tensor, mask_BT: torch.Tensor, agg_mode: AggMode,
-                   global_tokens: float | None = None, global_seqs: float | None = None,
-                   dp_size: int = 1, norm_length: float | None = None) -> torch.Tensor:
-    """Entropy of the loss tokens, reduced like the policy loss (verl `compute_entropy_loss`).
-
-    Used as an entropy bonus (loss − coef·H) or as a diagnostic; differentiable.
-
-    Shapes: logits_BTV (B, T, V), mask_BT (B, T) -> 0-dim tensor.
-    """
-    return aggregate_loss(entropy_from_logits(logits_BTV=logits_BTV), mask_BT, agg_mode,
-                          global_tokens=global_tokens, global_seqs=global_seqs,
-                          dp_size=dp_size, norm_length=norm_length)
+    return -(logp_BTV.exp() * logp_BTV).sum(-1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,3 +40,38 @@ def test_no_tool_calls_no_ig():
     ig, mask = information_gain(gold_logprob_BK1=torch.zeros(2, 3, dtype=D),
                                 num_tool_calls_B=torch.tensor([0, 1]))
     assert mask.tolist() == [[False, False], [True, False]]
+
+
+# --------------------------------------------------------------------------------------------
+# tool-call index -> turn index
+
+
+def test_ig_by_turn_skips_turns_without_a_call():
+    from a2tgpo.algo.info_gain import ig_by_turn
+
+    # row 0: turns search, invalid (retried, no call), search, answer -> calls at turns 0, 2;
+    #   call 0's IG 0.5 -> turn 0, call 1's IG -0.25 -> turn 2 (not turn 1);
+    # row 1: turns search, search(final, cut by length) -> call 1 is on the final turn, which
+    #   keeps no IG (the final turn is credited with the outcome only); call 0 absent (mask)
+    ig_BC = torch.tensor([[0.5, -0.25], [0.75, 0.125]], dtype=D)
+    mask_BC = torch.tensor([[True, True], [False, True]])
+    calls_BK = torch.tensor([[True, False, True, False], [True, True, False, False]])
+    ig, mask = ig_by_turn(ig_BC=ig_BC, ig_mask_BC=mask_BC, tool_call_BK=calls_BK,
+                          num_turns_B=torch.tensor([4, 2]))
+    assert mask.tolist() == [[True, False, True, False], [False, False, False, False]]
+    assert ig.tolist() == [[0.5, 0.0, -0.25, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_ig_by_turn_without_calls_and_with_too_few_columns():
+    import pytest
+
+    from a2tgpo.algo.info_gain import ig_by_turn
+
+    ig, mask = ig_by_turn(ig_BC=torch.zeros(2, 0, dtype=D), ig_mask_BC=torch.zeros(2, 0).bool(),
+                          tool_call_BK=torch.zeros(2, 3).bool(), num_turns_B=torch.tensor([1, 3]))
+    assert not mask.any() and ig.shape == (2, 3)
+    # two calls in a row but one IG column: the caller's data is inconsistent
+    with pytest.raises(ValueError, match="more tool calls"):
+        ig_by_turn(ig_BC=torch.zeros(1, 1, dtype=D), ig_mask_BC=torch.ones(1, 1).bool(),
+                   tool_call_BK=torch.tensor([[True, True, False]]),
+                   num_turns_B=torch.tensor([3]))

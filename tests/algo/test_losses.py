@@ -417,25 +417,32 @@ def naive_entropy(logits):
     return out
 
 
-def test_entropy_from_logits_matches_naive_loop_and_is_stable():
+def test_entropy_from_logprobs_matches_naive_loop_and_is_stable():
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(2, 3, 5, generator=g, dtype=D)
-    close(L.entropy_from_logits(logits_BTV=logits), naive_entropy(logits))
+    logp = lambda z: torch.log_softmax(z, dim=-1)  # noqa: E731 (what the log-prob pass gives)
+    close(L.entropy_from_logprobs(logp_BTV=logp(logits)), naive_entropy(logits))
     # shift invariance at magnitudes where a naive exp overflows
-    close(L.entropy_from_logits(logits_BTV=logits + 1000.0), naive_entropy(logits))
-    # uniform over V = 5 -> log 5
-    close(L.entropy_from_logits(logits_BTV=torch.zeros(1, 1, 5, dtype=D)), [[math.log(5)]])
+    close(L.entropy_from_logprobs(logp_BTV=logp(logits + 1000.0)), naive_entropy(logits))
+    # uniform over V = 5 -> log 5; one-hot (log p = 0 and -1e4) -> 0
+    close(L.entropy_from_logprobs(logp_BTV=logp(torch.zeros(1, 1, 5, dtype=D))), [[math.log(5)]])
+    close(L.entropy_from_logprobs(logp_BTV=logp(torch.tensor([[[0.0, -1e4]]], dtype=D))), [[0.0]])
 
 
-def test_masked_entropy_aggregates_loss_tokens():
-    # token 0 uniform over 4 (H = ln 4), token 1 uniform over 2 of 4 (H = ln 2), token 2 masked
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1e4, -1e4], [5.0, 0, 0, 0]]],
-                          dtype=D)
-    mask = torch.tensor([[1, 1, 0]], dtype=D)
-    close(L.masked_entropy(logits_BTV=logits, mask_BT=mask, agg_mode="token-mean"),
-          (math.log(4) + math.log(2)) / 2)
-    close(L.masked_entropy(logits_BTV=logits, mask_BT=mask, agg_mode="seq-mean-token-sum"),
-          math.log(4) + math.log(2))
+def test_ppo_kl_unclamped_at_sequence_and_turn_level():
+    # log π − log π_old per loss token: 25, −1, 0.5 (token 3 masked). verl clamps the token
+    # log-ratio to ±20 (vanilla PPO) but reports GSPO's ppo_kl from the unclamped one:
+    #   token level:        −(20 − 1 + 0.5)/3 = −19.5/3
+    #   sequence, turn:     −(25 − 1 + 0.5)/3 = −24.5/3
+    old = torch.zeros(1, 4, dtype=D)
+    logp = torch.tensor([[25.0, -1.0, 0.5, 7.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=D)
+    kw = dict(logp_BT=logp, old_logp_BT=old, adv_BT=torch.ones(1, 4, dtype=D), mask_BT=mask,
+              clip_low=0.2, clip_high=0.2, agg_mode="token-mean",
+              turn_id_BT=torch.tensor([[0, 0, 1, -1]]))
+    close(L.policy_loss(ratio_level="token", **kw)[1]["ppo_kl"], -19.5 / 3)
+    close(L.policy_loss(ratio_level="sequence", **kw)[1]["ppo_kl"], -24.5 / 3)
+    close(L.policy_loss(ratio_level="turn", **kw)[1]["ppo_kl"], -24.5 / 3)
 
 
 # --------------------------------------------------------------------------------------------

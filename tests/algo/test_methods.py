@@ -69,9 +69,10 @@ def test_turn_advantages_a2tgpo_matches_tensor_function():
     for b, o in enumerate(out):
         assert o.advantages == pytest.approx(adv[b, :len(o.advantages)].tolist(), abs=1e-12)
         assert o.clip_scales == pytest.approx(clip[b, :len(o.advantages)].tolist(), abs=1e-12)
-    # a fixed-clip cell returns no clip scales; hparams override the method's settings
+    # a fixed-clip cell returns no clip scales; hparams override the method's settings:
+    # adaptive clipping at strength β = 0 is c = 1 + 0·(2σ − 1) = 1 on every turn
     assert turn_advantages("a2tgpo_tgn", TRAJ)[0].clip_scales is None
-    assert turn_advantages("a2tgpo", TRAJ, beta=0.0)[0].clip_scales is None
+    assert turn_advantages("a2tgpo", TRAJ, beta=0.0)[0].clip_scales == [1.0, 1.0, 1.0]
 
 
 def test_turn_advantages_grpo_broadcasts_and_none_is_zero():
