@@ -184,25 +184,26 @@ def main() -> None:
     model, config = build(args.tiny)
     VOCAB_HI = config.vocab_size - 1
     n = sum(p.numel() for p in model.parameters())
-    rows.append(("model", f"Qwen3 architecture, {config.num_hidden_layers} layers, "
-                          f"{n / 1e9:.2f}B params, random weights "
-                          f"(built in {time.perf_counter() - t0:.0f} s)"))
+    rows.append(("model", (f"Qwen3 architecture, {config.num_hidden_layers} layers, "
+                           f"{n / 1e9:.2f}B params, random weights "
+                           f"(built in {time.perf_counter() - t0:.0f} s)")))
     small = args.tiny
     bsz = 8 if small else 128
     d = bench_decode(model, batch=bsz, prompt=256, new=16 if small else 128)
-    rows.append((f"hf decode, batch {bsz}", f"{d['decode_tok_s']:.0f} tok/s "
-                                         f"({d['decode_tokens']} tokens in {d['decode_s']:.1f} s)"))
+    rows.append((f"hf decode, batch {bsz}",
+                 (f"{d['decode_tok_s']:.0f} tok/s ({d['decode_tokens']} tokens in "
+                  f"{d['decode_s']:.1f} s)")))
     ig = bench_ig(model, n_traj=6, searches=6)
-    rows.append(("IG time / old-logprob forward", f"{ig['ig_time_ratio']:.3f} "
-                                                  f"(forward {ig['old_logprob_s']:.2f} s)"))
+    rows.append(("IG time / old-logprob forward",
+                 f"{ig['ig_time_ratio']:.3f} (forward {ig['old_logprob_s']:.2f} s)"))
     rows.append(("IG extra tokens / trajectory tokens", f"{ig['ig_token_ratio']:.3f}"))
     rows.append(("IG pass breakdown (s)", ", ".join(f"{k.removeprefix('seconds_')} {v:.2f}"
                                                     for k, v in ig["breakdown"].items())))
     tb, ts = (2, 256) if small else (4, 2048)
     tr = bench_train(model, config, batch=tb, seq=ts)
     rows.append((f"train step (fwd+bwd+AdamW), {tb}x{ts}",
-                 f"{tr['train_tok_s']:.0f} tok/s, {tr['train_step_s']:.2f} s/step, "
-                 f"MFU {tr['mfu']:.1%} of {H200_BF16_TFLOPS:.0f} TFLOP/s"))
+                 (f"{tr['train_tok_s']:.0f} tok/s, {tr['train_step_s']:.2f} s/step, "
+                  f"MFU {tr['mfu']:.1%} of {H200_BF16_TFLOPS:.0f} TFLOP/s")))
     del model
     torch.cuda.empty_cache()
     se = bench_search(20_000 if small else 2_000_000, 768, 512 if small else 4096)

@@ -118,8 +118,10 @@ def main() -> None:
         args.repeat)
 
     L = kv_stats["trajectory_tokens"]
-    dv = max(abs(a - b) for ra, rb in zip(kv, naive) for a, b in zip(ra, rb))
-    dlp = max(abs(a - b) for ra, rb in zip(kv_lp, plain_lp) for a, b in zip(ra, rb))
+    dv = max(abs(a - b) for ra, rb in zip(kv, naive, strict=True)
+             for a, b in zip(ra, rb, strict=True))
+    dlp = max(abs(a - b) for ra, rb in zip(kv_lp, plain_lp, strict=True)
+              for a, b in zip(ra, rb, strict=True))
     report = {
         "setup": {"trajectories": len(trajs), "lengths": [len(ids) for ids, _ in trajs],
                   "probe_points": kv_stats["probe_points"], "probe_tokens": 20,

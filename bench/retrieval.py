@@ -2,8 +2,8 @@
 
 1. Dense retriever end to end (encode queries + faiss + corpus lookup) on the toy world:
    one batched call vs one call per query -> queries/s and the ratio.
-2. faiss Flat (exact) vs HNSW on synthetic unit vectors of low intrinsic dimension: recall@3 of HNSW against
-   Flat's exact top-3, batched queries/s of each, and the ratio.
+2. faiss Flat (exact) vs HNSW on synthetic unit vectors of low intrinsic dimension: recall@3 of
+   HNSW against Flat's exact top-3, batched queries/s of each, and the ratio.
 3. Encoding passages in length-sorted batches vs in input order -> passages/s and the ratio.
 
 Usage: ./run python bench/retrieval.py [--world results/toy/world] [--vectors 200000]
@@ -90,7 +90,8 @@ def bench_hnsw(n: int, dim: int, n_queries: int, seed: int = 0) -> dict:
     for ef in (64, 128, 256):  # the recall / speed trade-off of the graph search depth
         hnsw.hnsw.efSearch = ef
         _, approx = hnsw.search(q, 3)
-        recall = float(np.mean([len(set(a) & set(e)) / 3 for a, e in zip(approx, exact)]))
+        recall = float(np.mean([len(set(a) & set(e)) / 3
+                                for a, e in zip(approx, exact, strict=True)]))
         out["hnsw"][ef] = {"recall@3": recall,
                            "qps": n_queries / timed(lambda: hnsw.search(q, 3), repeat=3)}
     return out

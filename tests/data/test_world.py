@@ -79,9 +79,10 @@ def test_every_question_is_answerable_by_following_passages():
                 m = row["metadata"]
                 assert m["hops"] == len(m["support"]) == len(m["lookups"])
                 assert m["lookups"][0] in row["question"]
-                for sid, name in zip(m["support"], m["lookups"]):
+                for sid, name in zip(m["support"], m["lookups"], strict=True):
                     assert text[sid].startswith(f'"{name}"\n')
-                for sid, nxt in zip(m["support"], m["lookups"][1:]):
+                # the last support passage has no next lookup
+                for sid, nxt in zip(m["support"], m["lookups"][1:], strict=False):
                     if m["hop_type"] != "comparison":
                         assert nxt in text[sid]
                 if m["hop_type"] == "comparison":

@@ -70,7 +70,7 @@ def test_title_query_finds_its_passage(kind, dense, bm25, world_dir):
     assert len(hits) == 30 and all(len(h) == 3 for h in hits)
     assert all(h[0].score >= h[1].score >= h[2].score for h in hits)
     # an entity's name retrieves its own passage first (names are unique in the world)
-    assert sum(h[0].id == r["id"] for h, r in zip(hits, lines)) >= 28
+    assert sum(h[0].id == r["id"] for h, r in zip(hits, lines, strict=True)) >= 28
     assert retriever.search([], 3) == []
 
 

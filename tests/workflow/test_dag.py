@@ -70,7 +70,8 @@ def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
     ]
     cfg["data"]["dev_size"] = 6
     cfg["sft"] = {"epochs": 1, "max_questions": 12, "datasets": ["toy_nq/train"]}
-    cfg["data"]["test"] = [t for t in cfg["data"]["test"] if t["name"] in ("toy_nq", "toy_hotpotqa")]
+    cfg["data"]["test"] = [t for t in cfg["data"]["test"]
+                           if t["name"] in ("toy_nq", "toy_hotpotqa")]
     cfg["grid"] = {"default": ["mini"], "sets": {
         "mini": {"methods": list(methods), "seeds": [1]},
         "beta": {"methods": ["a2tgpo"], "betas": [0, 0.5], "seeds": [1]}}}
