@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_dict
-from a2tgpo.rollout.agent import AgentConfig
-from a2tgpo.train.config import OptimConfig, ScheduleConfig
+from a2tgpo.train.config import TrainSettings
 
 # wildcard regex for Snakemake; the data~ component appears only in studies with tracks
 CELL_PATTERN = (r"backbone~[A-Za-z0-9_.\-]+(/data~[a-z0-9_]+)?/method~[a-z0-9_]+"
@@ -128,21 +127,14 @@ class GridConfig:
                 raise ValueError(f"set name {name!r}: use lowercase letters, digits and _")
 
 
-@dataclass(frozen=True)
-class TrainSection:
-    """Settings shared by every cell's TrainConfig (per-cell values come from the grid)."""
+@dataclass(frozen=True, kw_only=True)
+class TrainSection(TrainSettings):
+    """The study config's `train:` section: the TrainSettings every cell's TrainConfig starts
+    from (per-cell values come from the grid), plus how the DAG runs the jobs."""
 
-    optim: OptimConfig = option(doc="AdamW and its schedule.", factory=OptimConfig)
-    schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
-    rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
-    engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
-    device: str = option("auto", "torch device; auto = cuda when available.")
-    backend: Literal["single", "deepspeed"] = option("single", "Training backend.")
-    zero_stage: int = option(2, "DeepSpeed ZeRO stage (backend deepspeed).")
     nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).")
     nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).")
     threads: int = option(1, "CPU threads per training/evaluation job (torch intra-op).")
-    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
     overrides: tuple[str, ...] = option(
         (), "Dotted TrainConfig overrides applied to every cell, e.g. "
         "\"method.rollout.n=4\".")
@@ -251,10 +243,8 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
         "study": study, "cell": cell.path, "seed": cell.seed, "backbone": to_dict(backbone),
         "method": to_dict(method), "train_file": train_file, "dev_file": dev_file,
         "corpus": corpus, "index": index, "retrieval": to_dict(retrieval),
-        "rollout": to_dict(train.rollout), "optim": to_dict(train.optim),
-        "schedule": to_dict(train.schedule), "engine": train.engine, "device": train.device,
-        "backend": train.backend, "zero_stage": train.zero_stage,
-        "ig_batch_size": train.ig_batch_size, "tracking": to_dict(tracking)}
+        "tracking": to_dict(tracking),
+        **{f.name: to_dict(getattr(train, f.name)) for f in dataclasses.fields(TrainSettings)}}
     layers = [("train.overrides", train.overrides)]
     layers += [(f"train.method_overrides.{key}", ov)
                for key, ov in train.method_overrides.items()

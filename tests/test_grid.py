@@ -20,6 +20,7 @@ from a2tgpo.grid import (
 from a2tgpo.model.backbone import BackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.tracking import TrackingConfig
+from a2tgpo.train.config import TrainConfig, TrainSettings
 
 
 @pytest.mark.parametrize("beta, text", [(0.0, "0"), (0.3, "0.3"), (1.0, "1"), (0.25, "0.25"),
@@ -42,6 +43,26 @@ def test_float_noise_is_normalised_away():
 def test_parse_rejects_other_paths():
     with pytest.raises(ValueError, match="not a cell path"):
         Cell.parse("backbone~toy/method~grpo/seed~1")
+
+
+def test_train_section_and_train_config_share_one_declaration_of_each_setting():
+    # the same Field objects (doc, default, type), not re-declarations that drift apart
+    shared = TrainSettings.__dataclass_fields__
+    for cls in (TrainSection, TrainConfig):
+        assert issubclass(cls, TrainSettings)
+        for name, f in shared.items():
+            assert cls.__dataclass_fields__[name] is f, f"{cls.__name__}.{name} re-declared"
+    # only the shared settings have one name in both
+    assert set(TrainSection.__dataclass_fields__) & set(TrainConfig.__dataclass_fields__) \
+        == set(shared)
+
+
+def test_strict_keys_of_the_shared_settings():
+    with pytest.raises(ConfigError, match=r"s.yaml: train.zero_stag: unknown key \(did you mean "
+                       r"'zero_stage'\?\)"):
+        from_dict(TrainSection, {"zero_stag": 3}, source="s.yaml", path="train")
+    with pytest.raises(ConfigError, match="zero_stage must be 1, 2 or 3"):
+        from_dict(TrainSection, {"zero_stage": 4})
 
 
 BETAS = {"grpo": (0.0, False), "a2tgpo": (0.3, True), "tree_grpo": (0.0, False)}
@@ -89,6 +110,16 @@ def _resolve(cell, train):
         train=train, methods_dir="config/methods", retrieval=RetrievalConfig(),
         tracking=TrackingConfig(mlflow=False), train_file="t.parquet", dev_file="d.parquet",
         corpus="c.jsonl", index="i.faiss")
+
+
+def test_cell_config_takes_every_shared_setting_from_the_train_section():
+    train = from_dict(TrainSection, {
+        "optim": {"lr": 3e-5}, "schedule": {"steps": 5}, "rollout": {"max_turn_tokens": 77},
+        "engine": "vllm", "device": "cpu", "backend": "deepspeed", "zero_stage": 3,
+        "ig_batch_size": 5})
+    cfg = _resolve(Cell("toy", "grpo", 0.0, 1), train)
+    for name in TrainSettings.__dataclass_fields__:
+        assert getattr(cfg, name) == getattr(train, name) != getattr(TrainSettings(), name)
 
 
 def test_cell_config_layers_overrides_in_order():

@@ -48,8 +48,29 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """One training run (one grid cell)."""
+class TrainSettings:
+    """The training settings a study sets once for all its cells (the study config's `train:`
+    section) and each cell's resolved TrainConfig carries: both inherit them, so every key is
+    declared and documented once."""
+
+    optim: OptimConfig = option(doc="AdamW and its warm-up.", factory=OptimConfig)
+    schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
+    rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
+    engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
+    device: str = option("auto", "torch device; auto = cuda when available.")
+    backend: Literal["single", "deepspeed"] = option(
+        "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1, 2 or 3; backend deepspeed).")
+    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError("zero_stage must be 1, 2 or 3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(TrainSettings):
+    """One training run (one grid cell): the study's TrainSettings, then the cell's own keys."""
 
     run_dir: str = option(doc="Output folder of this run (metrics.jsonl, checkpoints/, ...).")
     results_dir: str = option(doc="The study's results folder (the local MLflow store lives "
@@ -64,18 +85,10 @@ class TrainConfig:
     corpus: str = option(doc="Retrieval corpus (wiki-18 format JSONL).")
     index: str | None = option(None, "Faiss index (dense retrieval in process).")
     retrieval: RetrievalConfig = option(doc="Search tool.", factory=RetrievalConfig)
-    rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
-    optim: OptimConfig = option(doc="Optimizer.", factory=OptimConfig)
-    schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
-    engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
-    device: str = option("auto", "torch device; auto = cuda when available.")
-    backend: Literal["single", "deepspeed"] = option(
-        "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
-    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1, 2 or 3).")
-    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
     tracking: TrackingConfig = option(doc="metrics.jsonl + MLflow.", factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         s = self.schedule
         if s.prompts_per_step % s.mini_batch_prompts:
             raise ValueError("schedule.prompts_per_step must be a multiple of "
@@ -87,8 +100,6 @@ class TrainConfig:
         if buf > self.rollout.max_response_tokens:
             raise ValueError(f"method.dapo.overlong_buffer ({buf}) exceeds "
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens})")
-        if self.zero_stage not in (1, 2, 3):
-            raise ValueError("zero_stage must be 1, 2 or 3")
 
 
 @dataclass(frozen=True)
