@@ -24,6 +24,6 @@ include: "workflow/rules/sweep.smk"
 
 
 rule all:
+    default_target: True
     input:
         all_targets(),
-    default_target: True

@@ -42,10 +42,19 @@ def corpus_file():
     return f"{R}/corpus/{STUDY.corpus.download.filename}"
 
 
+def index_file():
+    """The faiss index retrievers load: prebuilt (checked by rule check_index) or built by
+    rule build_index."""
+    return STUDY.retrieval.index.prebuilt or f"{R}/index/dense.faiss"
+
+
 def all_targets():
     targets = [f"{data_dir(t)}/summary.json" for t in STUDY.track_names] + [
-               corpus_file(), f"{R}/index/check.json",
-               f"{R}/tables/main.md", f"{R}/plots"]
+        corpus_file(),
+        f"{R}/index/check.json",
+        f"{R}/tables/main.md",
+        f"{R}/plots",
+    ]
     if uses_world():
         targets += [f"{R}/world/summary.json", f"{R}/retrieval/recall.json"]
     targets += [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()]
@@ -104,11 +113,18 @@ def resolve_cell(path):
     cell = Cell.parse(path)
     backbone = dataclasses.replace(BACKBONES[cell.backbone], path=policy_dir(cell.backbone))
     return cell_config(
-        cell, study=STUDY.study, results_root=R, backbone=backbone, train=STUDY.train,
-        methods_dir=STUDY.methods_dir, retrieval=STUDY.retrieval, tracking=STUDY.tracking,
+        cell,
+        study=STUDY.study,
+        results_root=R,
+        backbone=backbone,
+        train=STUDY.train,
+        methods_dir=STUDY.methods_dir,
+        retrieval=STUDY.retrieval,
+        tracking=STUDY.tracking,
         train_file=f"{data_dir(cell.data)}/train.parquet",
         dev_file=f"{data_dir(cell.data)}/dev.parquet",
-        corpus=corpus_file(), index=STUDY.retrieval.index.prebuilt or f"{R}/index/dense.faiss",
+        corpus=corpus_file(),
+        index=index_file(),
     )
 
 
@@ -118,11 +134,83 @@ def job_gpus(backbone_id, n=1):
     return 0 if STUDY.train.device == "cpu" or BACKBONES[backbone_id].needs_build else n
 
 
+def train_command(wc, threads):
+    """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
+    train = STUDY.train
+    if train.backend == "single":
+        return "a2tgpo train"
+    return (
+        f"deepspeed --num_gpus {train.nproc} --num_nodes {train.nodes} "
+        "$(command -v a2tgpo) train"
+    )
+
+
 def cell_outputs(cells):
     """The per-cell files a finished cell has (evaluation last)."""
     return [f"{run_dir(c.path)}/eval/summary.json" for c in cells]
 
 
+def set_cells(name):
+    """Cells a table of set `name` covers: the default sets' plus its own."""
+    return list(dict.fromkeys(DEFAULT_CELLS + SET_CELLS[name]))
+
+
 wildcard_constraints:
     cell=CELL_PATTERN,
     track=r"[a-z0-9_]+",
+
+
+# --------------------------------------------------------------------------------------------
+# Optuna sweeps (rules in sweep.smk): each sweep file listed in the study config is loaded and
+# checked against the study here, with the rest of the config, before any job starts
+
+from a2tgpo.algo.methods import get_method
+from a2tgpo.grid import normalize_beta
+from a2tgpo.sweep import check_method, load_sweep
+
+
+def _load_sweeps():
+    sweeps = {}
+    for i, path in enumerate(STUDY.sweeps):
+        try:
+            sw = load_sweep(path)
+            if sw.base.backbone not in STUDY.backbones:
+                raise ConfigError(
+                    f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
+                    f"the study's backbones ({', '.join(STUDY.backbones)})"
+                )
+            if sw.base.track not in TRACKS:
+                raise ConfigError(
+                    f"{path}: base.track: {sw.base.track!r} is not one of the "
+                    f"study's tracks ({', '.join(map(repr, TRACKS))})"
+                )
+            method = get_method(sw.base.method, STUDY.methods_dir)
+            check_method(sw, method, path)
+        except ConfigError as e:
+            sys.exit(f"invalid config: sweeps[{i}]: {e}")
+        if sw.name in sweeps:
+            sys.exit(
+                f"invalid config: sweeps[{i}]: {path}: name {sw.name!r} is also the name "
+                f"of {sweeps[sw.name][0]}"
+            )
+        sweeps[sw.name] = (
+            path,
+            sw,
+            Cell(
+                sw.base.backbone,
+                sw.base.method,
+                normalize_beta(method.advantage.beta),
+                sw.base.seed,
+                sw.base.track,
+            ),
+        )
+    return sweeps
+
+
+SWEEPS = _load_sweeps()  # name -> (file, SweepConfig, base cell)
+
+
+def sweep_base(name):
+    """The base cell's resolved TrainConfig (each trial then sets its run folder, β/γ, and
+    the sweep's overrides)."""
+    return resolve_cell(SWEEPS[name][2].path)

@@ -6,9 +6,9 @@ rule resolve_section:
     Editing that section in config/config.yaml (a params change) reruns only its consumers."""
     output:
         f"{R}/configs/{{section}}.yaml",
+    localrule: True
     params:
         values=lambda wc: config.get(wc.section.split(".")[0], {}),
-    localrule: True
     run:
         from a2tgpo.study import section
         from a2tgpo.config import dump_config
@@ -34,10 +34,10 @@ rule toy_backbone:
         world=f"{R}/world/summary.json",
     output:
         [f"{cfg.path}/config.json" for cfg in TOY_BACKBONES.values()],
-    params:
-        out=lambda wc, output: str(Path(output[0]).parent),
     log:
         f"{R}/logs/toy_backbone.log",
+    params:
+        out=lambda wc, output: str(Path(output[0]).parent),
     shell:
         "a2tgpo toy-backbone {input.cfg} --world {R}/world --out {params.out} > {log} 2>&1"
 
@@ -61,9 +61,9 @@ rule track_data_config:
     """The data section of one training track: its training and test sources only."""
     output:
         f"{R}/configs/data~{{track}}.yaml",
+    localrule: True
     params:
         values=lambda wc: to_dict(STUDY.track_data(wc.track)),
-    localrule: True
     run:
         from a2tgpo.config import dump_config
 

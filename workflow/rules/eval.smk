@@ -11,8 +11,6 @@ rule evaluate_all:
         data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
     output:
         f"{R}/runs/{{cell}}/eval_all.done",
-    params:
-        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     log:
         f"{R}/logs/runs/{{cell}}/evaluate_all.log",
     threads: TRAIN.threads
@@ -20,6 +18,8 @@ rule evaluate_all:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
+    params:
+        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
         "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --all-checkpoints "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval_all > {log} 2>&1 "
@@ -36,9 +36,9 @@ rule select:
         f"{R}/runs/{{cell}}/best.json",
     log:
         f"{R}/logs/runs/{{cell}}/select.log",
+    localrule: True
     params:
         criterion=TRAIN.selection,
-    localrule: True
     shell:
         "a2tgpo select {R}/runs/{wildcards.cell} --criterion {params.criterion} --out {output} "
         "> {log} 2>&1"
@@ -55,13 +55,13 @@ rule evaluate:
         f"{R}/runs/{{cell}}/eval/summary.json",
     log:
         f"{R}/logs/runs/{{cell}}/evaluate.log",
-    params:
-        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     threads: TRAIN.threads
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
+    params:
+        tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
         "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --best {input.best} "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"

@@ -5,11 +5,6 @@ RET = STUDY.retrieval
 NSHARDS = RET.index.num_shards
 
 
-def index_file():
-    """The faiss index retrievers load: prebuilt (checked by rule check_index) or built here."""
-    return RET.index.prebuilt or f"{R}/index/dense.faiss"
-
-
 rule encode_shard:
     input:
         cfg=f"{R}/configs/retrieval.yaml",
@@ -85,13 +80,13 @@ rule sft:
         corpus=corpus_file(),
     output:
         f"{R}/sft/config.json",
-    params:
-        backbone=lambda wc, input: str(Path(input.backbone[0]).parent),
     log:
         f"{R}/logs/sft.log",
     resources:
         gpu=1,
         runtime=120,
+    params:
+        backbone=lambda wc, input: str(Path(input.backbone[0]).parent),
     shell:
         "a2tgpo sft {input.cfg} --backbone {params.backbone} --world {R}/world "
         "--corpus {input.corpus} --index {input.index} --holdout {R}/data/dev.parquet "

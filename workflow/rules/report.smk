@@ -2,11 +2,6 @@
 # each other set over the default cells plus its own (results/<study>/tables/<set>/, ...).
 
 
-def set_cells(name):
-    """Cells a table of set `name` covers: the default sets' plus its own."""
-    return list(dict.fromkeys(DEFAULT_CELLS + SET_CELLS[name]))
-
-
 TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta"]
 
 
@@ -16,17 +11,19 @@ rule tables:
         cfg=f"{R}/configs/report.yaml",
     output:
         [
-            report(f"{R}/tables/{t}.md", caption=f"../report/table_{t}.rst", category="Tables")
-            if ext == "md"
-            else f"{R}/tables/{t}.{ext}"
+            (
+                report(f"{R}/tables/{t}.md", caption=f"../report/table_{t}.rst", category="Tables")
+                if ext == "md"
+                else f"{R}/tables/{t}.{ext}"
+            )
             for t in TABLES
             for ext in ("md", "tex", "csv")
         ],
-    params:
-        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     log:
         f"{R}/logs/tables.log",
     localrule: True
+    params:
+        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
         "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables > {log} 2>&1"
 
@@ -44,11 +41,11 @@ rule plots:
             subcategory="{panel}",
             labels={"panel": "{panel}", "plot": "{kind}"},
         ),
-    params:
-        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     log:
         f"{R}/logs/plots.log",
     localrule: True
+    params:
+        cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
         "a2tgpo plots --cells {params.cells} --config {input.cfg} --out {R}/plots > {log} 2>&1"
 
@@ -60,11 +57,11 @@ rule set_tables:
         cfg=f"{R}/configs/report.yaml",
     output:
         [f"{R}/tables/{{set}}/{t}.{ext}" for t in TABLES for ext in ("md", "tex", "csv")],
-    params:
-        cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     log:
         f"{R}/logs/tables-{{set}}.log",
     localrule: True
+    params:
+        cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     shell:
         "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables/{wildcards.set} "
         "> {log} 2>&1"

@@ -3,46 +3,11 @@
 # own (ask -> train -> dev EM -> tell), so Snakemake runs as many at once as cores/resources
 # allow; `snakemake sweep_<name>` runs one sweep (not part of the default target).
 # A trial's run folder is a param, not an output: a killed trial's rerun resumes it.
+# The sweep files are loaded and checked against the study in common.smk (SWEEPS).
 
 import json
 
-from a2tgpo.algo.methods import get_method
-from a2tgpo.config import ConfigError, to_dict
-from a2tgpo.grid import Cell, normalize_beta
-from a2tgpo.sweep import check_method, load_sweep
-
-
-def _load_sweeps():
-    sweeps = {}
-    for i, path in enumerate(STUDY.sweeps):
-        try:
-            sw = load_sweep(path)
-            if sw.base.backbone not in STUDY.backbones:
-                raise ConfigError(f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
-                                  f"the study's backbones ({', '.join(STUDY.backbones)})")
-            if sw.base.track not in TRACKS:
-                raise ConfigError(f"{path}: base.track: {sw.base.track!r} is not one of the "
-                                  f"study's tracks ({', '.join(map(repr, TRACKS))})")
-            method = get_method(sw.base.method, STUDY.methods_dir)
-            check_method(sw, method, path)
-        except ConfigError as e:
-            sys.exit(f"invalid config: sweeps[{i}]: {e}")
-        if sw.name in sweeps:
-            sys.exit(f"invalid config: sweeps[{i}]: {path}: name {sw.name!r} is also the name "
-                     f"of {sweeps[sw.name][0]}")
-        sweeps[sw.name] = (path, sw, Cell(sw.base.backbone, sw.base.method,
-                                          normalize_beta(method.advantage.beta),
-                                          sw.base.seed, sw.base.track))
-    return sweeps
-
-
-SWEEPS = _load_sweeps()  # name -> (file, SweepConfig, base cell)
-
-
-def sweep_base(name):
-    """The base cell's resolved TrainConfig (each trial then sets its run folder, β/γ, and
-    the sweep's overrides)."""
-    return resolve_cell(SWEEPS[name][2].path)
+from a2tgpo.config import to_dict
 
 
 wildcard_constraints:
@@ -55,9 +20,9 @@ rule sweep_base_config:
     study config reruns the sweep's trials."""
     output:
         f"{R}/sweeps/{{sweep}}/base.yaml",
+    localrule: True
     params:
         resolved=lambda wc: json.dumps(to_dict(sweep_base(wc.sweep)), sort_keys=True),
-    localrule: True
     run:
         from a2tgpo.config import dump_config
 
@@ -78,13 +43,13 @@ rule sweep_trial:
         f"{R}/sweeps/{{sweep}}/trials/{{trial}}/result.json",
     log:
         f"{R}/logs/sweeps/{{sweep}}/trial_{{trial}}.log",
-    params:
-        sweep=lambda wc: SWEEPS[wc.sweep][0],
     threads: TRAIN.threads
     resources:
         gpu=lambda wc: job_gpus(SWEEPS[wc.sweep][1].base.backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
+    params:
+        sweep=lambda wc: SWEEPS[wc.sweep][0],
     shell:
         "OMP_NUM_THREADS={threads} a2tgpo sweep-trial {params.sweep} --index {wildcards.trial} "
         "--base {input.base} --out {output} --log {log}"
@@ -93,16 +58,18 @@ rule sweep_trial:
 rule sweep_summary:
     """Best params and value, every trial, and best.png; the table is printed too."""
     input:
-        lambda wc: [f"{R}/sweeps/{wc.sweep}/trials/{i}/result.json"
-                    for i in range(SWEEPS[wc.sweep][1].n_trials)],
+        lambda wc: [
+            f"{R}/sweeps/{wc.sweep}/trials/{i}/result.json"
+            for i in range(SWEEPS[wc.sweep][1].n_trials)
+        ],
     output:
         summary=f"{R}/sweeps/{{sweep}}/summary.json",
         plot=f"{R}/sweeps/{{sweep}}/best.png",
     log:
         f"{R}/logs/sweeps/{{sweep}}/summary.log",
+    localrule: True
     params:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
-    localrule: True
     shell:
         "a2tgpo sweep-summary {params.sweep} --dir {R}/sweeps/{wildcards.sweep} 2>&1 | tee {log}"
 

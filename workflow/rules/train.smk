@@ -14,9 +14,9 @@ rule cell_config:
     study config reruns exactly the cells whose settings changed (comments do not count)."""
     output:
         f"{R}/runs/{{cell}}/config.yaml",
+    localrule: True
     params:
         resolved=lambda wc: json.dumps(to_dict(resolve_cell(wc.cell)), sort_keys=True),
-    localrule: True
     run:
         from a2tgpo.config import dump_config
 
@@ -33,16 +33,12 @@ rule mlflow_experiment:
         from a2tgpo.tracking import init_experiment, resolve_tracking_uri
 
         exp = init_experiment(STUDY.tracking, study=STUDY.study, results_dir=R)
+        # Kept as written: the text of a run block is its code fingerprint, so reformatting it
+        # would rerun this rule and, through a new experiment.json, every training job.
+        # fmt: off
         atomic_write_json(output[0], {"experiment_id": exp,
                                       "tracking_uri": resolve_tracking_uri(STUDY.tracking, R)})
-
-
-def train_command(wc, threads):
-    """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
-    if TRAIN.backend == "single":
-        return "a2tgpo train"
-    return (f"deepspeed --num_gpus {TRAIN.nproc} --num_nodes {TRAIN.nodes} "
-            "$(command -v a2tgpo) train")
+        # fmt: on
 
 
 rule train:
@@ -56,12 +52,12 @@ rule train:
         f"{R}/runs/{{cell}}/summary.json",
     log:
         f"{R}/logs/runs/{{cell}}/train.log",
-    params:
-        cmd=lambda wc, threads: train_command(wc, threads),
     threads: TRAIN.threads
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, TRAIN.nproc),
         runtime=TRAIN.runtime_min,
         mem_mb=TRAIN.mem_mb,
+    params:
+        cmd=lambda wc, threads: train_command(wc, threads),
     shell:
         "OMP_NUM_THREADS={threads} {params.cmd} {input.cfg} > {log} 2>&1"
