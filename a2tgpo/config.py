@@ -197,6 +197,13 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     return out
 
 
+def format_value(x: float) -> str:
+    """Shortest text that reads back as the same float; integers without '.0' (cell paths and
+    the tags that name them)."""
+    s = repr(float(x))
+    return s[:-2] if s.endswith(".0") else s
+
+
 def read_yaml(path: str | Path) -> dict:
     import yaml
 

@@ -1,12 +1,10 @@
 """The experiment grid: named sets of cells (backbone x method x beta x seed) and their configs.
 
-A cell is one training run. Its path under `<results>/<study>/runs/` names every coordinate,
+A cell (a2tgpo/cell.py) is one training run; its path under `<results>/<study>/runs/`,
 
     backbone~qwen3-4b/method~a2tgpo/beta~0.3/seed~1
 
-so a results folder explains itself and `snakemake <cell>/eval/summary.json` reruns exactly one
-cell. Betas are written with Python's shortest round-trip float repr (0.3, never
-0.30000000000000004; integers without ".0"), and `Cell.parse(cell.path) == cell`.
+names every coordinate.
 
 Cells come from the study's `grid.sets` (e.g. main, beta, seeds); `grid.default` names the sets
 a bare `snakemake` runs, the others are targets of their own (`snakemake beta`). A set lists
@@ -28,59 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from a2tgpo.cell import CELL_PATTERN as CELL_PATTERN  # the workflow's wildcard constraint
+from a2tgpo.cell import Cell, normalize_beta
 from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_dict
+from a2tgpo.config import format_value as format_value  # rl.py imports it from here
 from a2tgpo.train.config import TrainSettings
-
-# wildcard regex for Snakemake; the data~ component appears only in studies with tracks
-CELL_PATTERN = (r"backbone~[A-Za-z0-9_.\-]+(/data~[a-z0-9_]+)?/method~[a-z0-9_]+"
-                r"/beta~[0-9.e+\-]+/seed~[0-9]+")
-_CELL_RE = re.compile(r"^backbone~(?P<backbone>[A-Za-z0-9_.\-]+)(/data~(?P<data>[a-z0-9_]+))?"
-                      r"/method~(?P<method>[a-z0-9_]+)/beta~(?P<beta>[0-9.e+\-]+)"
-                      r"/seed~(?P<seed>[0-9]+)$")
-
-
-def format_value(x: float) -> str:
-    """Shortest text that reads back as the same float; integers without '.0'."""
-    s = repr(float(x))
-    return s[:-2] if s.endswith(".0") else s
-
-
-def normalize_beta(x: float) -> float:
-    """Round to 10 significant digits so sums like 0.1 + 0.2 become the 0.3 users wrote."""
-    return float(f"{float(x):.10g}")
-
-
-@dataclass(frozen=True, order=True)
-class Cell:
-    """One grid point. `data` names the training track (e.g. multi_hop: trained on HotpotQA,
-    tested on the multi-hop sets, as the papers train one model per track); "" = the study's
-    single implicit track, and then the path has no data~ component."""
-
-    backbone: str
-    method: str
-    beta: float
-    seed: int
-    data: str = ""
-
-    @property
-    def path(self) -> str:
-        track = f"/data~{self.data}" if self.data else ""
-        return (f"backbone~{self.backbone}{track}/method~{self.method}"
-                f"/beta~{format_value(self.beta)}/seed~{self.seed}")
-
-    @classmethod
-    def parse(cls, path: str) -> Cell:
-        m = _CELL_RE.match(path.strip("/"))
-        if m is None:
-            raise ValueError("not a cell path (backbone~B[/data~T]/method~M/beta~X/seed~N): "
-                             f"{path!r}")
-        return cls(m["backbone"], m["method"], float(m["beta"]), int(m["seed"]),
-                   m["data"] or "")
-
-    @property
-    def tags(self) -> dict[str, str]:
-        return {"backbone": self.backbone, "method": self.method, "data": self.data,
-                "beta": format_value(self.beta), "seed": str(self.seed), "cell": self.path}
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,12 @@
 """Tables and plots from the grid's result cells (the last stage of the DAG).
 
-A *cell* is one training run of the grid, a directory
+A *cell* (a2tgpo/cell.py) is one training run of the grid, a directory
 
     <runs>/backbone~<b>/method~<m>/beta~<beta>/seed~<s>/
     (<runs>/backbone~<b>/data~<track>/method~... in studies with training tracks)
 
 holding `config.yaml`, `metrics.jsonl` (read only through `a2tgpo.tracking.read_metrics`),
-`rollouts.jsonl`, `best.json` and `eval/summary.json`. The wildcard values are read back from
-the path exactly as written (β "0.3" stays "0.3").
+`rollouts.jsonl`, `best.json` and `eval/summary.json`.
 
 `ReportConfig` is the `report:` section of the study config: which methods form which table, in
 what order and under which labels, the dataset columns, and the metric. Its defaults lay out the
@@ -19,21 +18,18 @@ papers' tables (A2TGPO Table 1, Tables 2/4, Figure 9; AT2PO Tables 2-3).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
-import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from a2tgpo.config import option
+from a2tgpo.cell import Cell, ReportInputError
+from a2tgpo.config import format_value, option
 
 log = logging.getLogger(__name__)
-
-SUMMARY = Path("eval") / "summary.json"
-WILDCARDS = ("backbone", "method", "beta", "seed")
 
 # the papers' labels for every method id of the method table (a2tgpo/algo/methods.py)
 _METHOD_LABELS = {
@@ -186,88 +182,8 @@ def load_report_config(config: str | Path | None, section: str | None = None) ->
     return load_config(ReportConfig, config, section=section)
 
 
-
-class ReportInputError(ValueError):
-    """A result file the report reads is malformed; the message names the file and the key."""
-
-
 # --------------------------------------------------------------------------------------------
 # cells
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One grid cell: its directory and the wildcard values read from the path."""
-
-    path: Path
-    backbone: str
-    method: str
-    beta: str
-    seed: str
-    data: str = ""  # the training track (data~ component), "" without tracks
-    _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
-
-    @property
-    def beta_value(self) -> float:
-        return _number(self.beta, f"{self.path}: beta~{self.beta}")
-
-    @property
-    def seed_key(self) -> tuple:
-        return (0, int(self.seed), "") if self.seed.lstrip("-").isdigit() else (1, 0, self.seed)
-
-    @property
-    def summary_path(self) -> Path:
-        return self.path / SUMMARY
-
-    def summary(self) -> dict | None:
-        """eval/summary.json, validated; None when the cell has not been evaluated."""
-        if "summary" not in self._cache:
-            path = self.summary_path
-            self._cache["summary"] = load_summary(path) if path.exists() else None
-        return self._cache["summary"]
-
-    def metrics(self) -> list[dict] | None:
-        """metrics.jsonl rows (via a2tgpo.tracking.read_metrics); None when there is none."""
-        if "metrics" not in self._cache:
-            from a2tgpo.tracking import METRICS_FILE, read_metrics
-
-            exists = (self.path / METRICS_FILE).exists()
-            try:
-                self._cache["metrics"] = read_metrics(self.path) if exists else None
-            except ValueError as e:  # a corrupt line: name it, no traceback
-                raise ReportInputError(str(e)) from e
-        return self._cache["metrics"]
-
-
-_WILDCARD_RE = re.compile(r"^(backbone|data|method|beta|seed)~(.+)$")
-
-
-def _number(text: str, where: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ReportInputError(f"{where}: not a number") from None
-    if not math.isfinite(value):
-        raise ReportInputError(f"{where}: not a finite number")
-    return value
-
-
-def parse_cell(path: str | Path) -> Cell:
-    """The cell of a directory `.../backbone~b/method~m/beta~x/seed~s` (the last occurrence of
-    each wildcard in the path counts). A path that lacks one fails, naming it."""
-    path = Path(path)
-    found: dict[str, str] = {}
-    for part in path.parts:
-        m = _WILDCARD_RE.match(part)
-        if m:
-            found[m.group(1)] = m.group(2)
-    missing = [w for w in WILDCARDS if w not in found]
-    if missing:
-        raise ReportInputError(
-            f"{path}: not a cell directory (no {', '.join(w + '~' for w in missing)} component; "
-            "expected .../backbone~<b>/method~<m>/beta~<beta>/seed~<s>)")
-    return Cell(path, found["backbone"], found["method"], found["beta"], found["seed"],
-                found.get("data", ""))
 
 
 def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
@@ -281,8 +197,8 @@ def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
             # walk up from a file inside the cell to the seed~ directory
             while p.name and not p.name.startswith("seed~") and p != p.parent:
                 p = p.parent
-            cell = parse_cell(p if p.name.startswith("seed~") else Path(given))
-            found[cell.path] = cell
+            cell = Cell.from_dir(p if p.name.startswith("seed~") else Path(given))
+            found[cell.run_dir] = cell
     elif runs is not None:
         runs = Path(runs)
         if not runs.is_dir():
@@ -291,10 +207,10 @@ def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
                         "backbone~*/data~*/method~*/beta~*/seed~*"):
             for p in sorted(runs.glob(pattern)):
                 if p.is_dir():
-                    found[p] = parse_cell(p)
+                    found[p] = Cell.from_dir(p)
     else:
         raise ValueError("give a runs directory or a list of cells")
-    return sorted(found.values(), key=lambda c: (c.backbone, c.method, c.beta_value, c.seed_key))
+    return sorted(found.values())
 
 
 def merge_tracks(cells: list[Cell]) -> list[Cell]:
@@ -333,44 +249,15 @@ def merge_tracks(cells: list[Cell]) -> list[Cell]:
             combined["groups"]["all"] = {
                 "n": n, **{m: sum(e["n"] * e[m] for e in rows) / n for m in ("em", "f1")
                            if all(e.get(m) is not None for e in rows)}}
-        first = parts[0]
-        cell = Cell(first.path, first.backbone, first.method, first.beta, first.seed,
-                    "+".join(sorted(p.data for p in parts)))
-        cell._cache["summary"] = combined
-        out.append(cell)
+        out.append(dataclasses.replace(parts[0], data="+".join(sorted(p.data for p in parts)),
+                                       _cache={"summary": combined}))
     return out
 
 
 def split_tracks(cells: list[Cell]) -> list[Cell]:
     """For the plots: each track of a backbone is plotted on its own, as `<backbone>/<track>`."""
-    return [c if not c.data else Cell(c.path, f"{c.backbone}/{c.data}", c.method, c.beta,
-                                      c.seed, c.data) for c in cells]
-
-
-def load_summary(path: str | Path) -> dict:
-    """Read and check an eval/summary.json; errors name the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ReportInputError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ReportInputError(f"{path}: expected a JSON object")
-    for key in ("datasets", "groups"):
-        if not isinstance(data.get(key), dict):
-            raise ReportInputError(f"{path}: {key}: missing or not an object")
-    for section in ("datasets", "groups"):
-        for name, entry in data[section].items():
-            if not isinstance(entry, dict):
-                raise ReportInputError(f"{path}: {section}.{name}: expected an object")
-            for metric in ("em", "f1"):
-                v = entry.get(metric)
-                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
-                                      or not math.isfinite(v) or not 0.0 <= v <= 1.0):
-                    raise ReportInputError(
-                        f"{path}: {section}.{name}.{metric}: expected a fraction in [0, 1], "
-                        f"got {v!r}")
-    return data
+    return [dataclasses.replace(c, backbone=f"{c.backbone}/{c.data}") if c.data else c
+            for c in cells]
 
 
 def selection_label(cfg: ReportConfig, summary: dict) -> str:
@@ -385,18 +272,18 @@ def selection_label(cfg: ReportConfig, summary: dict) -> str:
     return str(criterion or "unknown selection")
 
 
-def by_method(cells) -> dict[tuple[str, str], dict[str, list[Cell]]]:
+def by_method(cells) -> dict[tuple[str, str], dict[float, list[Cell]]]:
     """{(backbone, method): {beta: [cells sorted by seed]}}."""
-    out: dict[tuple[str, str], dict[str, list[Cell]]] = defaultdict(lambda: defaultdict(list))
+    out: dict[tuple[str, str], dict[float, list[Cell]]] = defaultdict(lambda: defaultdict(list))
     for c in cells:
         out[(c.backbone, c.method)][c.beta].append(c)
     for betas in out.values():
         for seeds in betas.values():
-            seeds.sort(key=lambda c: c.seed_key)
+            seeds.sort(key=lambda c: c.seed)
     return out
 
 
-def pick_cells(cfg: ReportConfig, grouped: dict[str, list[Cell]], method: str,
+def pick_cells(cfg: ReportConfig, grouped: dict[float, list[Cell]], method: str,
                where: str) -> list[Cell]:
     """The seeds that represent `method` in the main and ablation tables and the plots.
 
@@ -409,8 +296,8 @@ def pick_cells(cfg: ReportConfig, grouped: dict[str, list[Cell]], method: str,
         return next(iter(grouped.values()))
     want = cfg.beta_main if method == cfg.beta_method else 0.0
     for beta, seeds in grouped.items():
-        if math.isclose(_number(beta, f"beta~{beta}"), want, abs_tol=1e-12):
+        if math.isclose(beta, want, abs_tol=1e-12):
             return seeds
     log.info("%s: %s has cells at β %s but none at β %g; left out", where, method,
-             ", ".join(sorted(grouped)), want)
+             ", ".join(map(format_value, sorted(grouped))), want)
     return []

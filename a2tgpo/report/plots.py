@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from a2tgpo.config import format_value
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.report import (
     Cell,
@@ -410,7 +411,7 @@ def _jaccard(w: _Writer, backbone: str, cells: list[Cell]) -> None:
     cfg = w.cfg
     per_seed = []
     for c in cells:
-        rows = read_rollouts(c.path)
+        rows = read_rollouts(c.run_dir)
         if rows:
             sampled = [int(r["step"]) for r in rows]
             per_seed.append(jaccard_by_step(rows, {min(sampled), max(sampled)}))
@@ -518,13 +519,13 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
     refs = _method_cells(cfg, grouped, backbone, cfg.beta_reference_methods, "plot beta")
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    order = sorted(evaluated, key=lambda b: evaluated[b][0].beta_value)
+    order = sorted(evaluated)
     for ax, g in zip(axes[0], groups):
         xs, ys, es = [], [], []
         for b in order:
             vals = [v for c in evaluated[b] if (v := _group_value(cfg, c, g)) is not None]
             if vals:
-                xs.append(evaluated[b][0].beta_value)
+                xs.append(b)
                 ys.append(statistics.fmean(vals))
                 es.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3,
@@ -534,7 +535,7 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
             if vals:
                 ax.axhline(statistics.fmean(vals), ls="--", lw=1, color=f"C{i + 1}",
                            label=cfg.method_label(m))
-        ax.set_xticks([evaluated[b][0].beta_value for b in order], order)
+        ax.set_xticks(order, [format_value(b) for b in order])
         ax.set_xlabel("β")
         ax.set_ylabel(f"{cfg.group_label(g)} {cfg.metric.upper()} (%)")
         ax.grid(alpha=0.3)

@@ -24,7 +24,7 @@ CSV layout (tidy: one line per printed number, loads with `pandas.read_csv`):
 `std` are percentages (10 decimals; `std` empty for one seed), `seeds` the seed values
 joined by ";", `best` True where the printed number is bold, and `selection` the checkpoint
 selection of the cells behind the number. `row` holds method ids, or β values in the beta
-table (read it with `dtype={"row": str}` to keep "0.10" apart from "0.1").
+table, written as cell paths write them (read it with `dtype={"row": str}`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from a2tgpo.config import format_value
 from a2tgpo.io import atomic_write_text
 from a2tgpo.report import Cell, ReportConfig, by_method, pick_cells, selection_label
 
@@ -141,7 +142,7 @@ def _fill(cfg: ReportConfig, row: Row, columns: list[Column]) -> None:
             if v is None:
                 continue
             values.append(100.0 * float(v))
-            seeds.append(c.seed)
+            seeds.append(str(c.seed))
             sel.append(selection_label(cfg, s))
         if values:
             row.stats[col.id] = Stat(values, seeds, sel)
@@ -224,8 +225,8 @@ def _beta_table(cfg: ReportConfig, cells: list[Cell]) -> Table:
     sections = []
     for b in cfg.order_backbones(c.backbone for c in cells):
         betas = grouped.get((b, cfg.beta_method), {})
-        rows = [Row(beta, f"β = {beta}", seeds)
-                for beta, seeds in sorted(betas.items(), key=lambda kv: kv[1][0].beta_value)]
+        rows = [Row(format_value(beta), f"β = {format_value(beta)}", seeds)
+                for beta, seeds in sorted(betas.items())]
         if rows:
             sections.append(Section(b, cfg.backbone_label(b), rows))
     used = [c for s in sections for r in s.rows for c in r.cells]

@@ -6,14 +6,9 @@ import logging
 import pandas as pd
 import pytest
 
+from a2tgpo.cell import Cell, load_summary
 from a2tgpo.cli import main as cli_main
-from a2tgpo.report import (
-    ReportConfig,
-    ReportInputError,
-    discover_cells,
-    load_summary,
-    parse_cell,
-)
+from a2tgpo.report import ReportConfig, ReportInputError, discover_cells
 from a2tgpo.report.tables import (
     CSV_COLUMNS,
     build_tables,
@@ -228,10 +223,10 @@ def test_cells_from_explicit_list_and_bad_paths(make_cell, tmp_path):
     a = make_cell("qwen3-4b", "grpo", "0.0", 7, datasets={"nq": (.5, S)}, groups={S: .5})
     b = make_cell("qwen3-4b", "igpo", "0", 1, datasets={"nq": (.4, S)}, groups={S: .4})
     cells = discover_cells(cells=[str(a / "eval" / "summary.json"), str(b)])
-    assert [(c.method, c.beta, c.seed) for c in cells] == [("grpo", "0.0", "7"),
-                                                           ("igpo", "0", "1")]
+    assert [(c.method, c.beta, c.seed, c.run_dir) for c in cells] == [("grpo", 0.0, 7, a),
+                                                                      ("igpo", 0.0, 1, b)]
     with pytest.raises(ReportInputError, match=r"no beta~ component"):
-        parse_cell(tmp_path / "backbone~x" / "method~y" / "seed~0")
+        Cell.from_dir(tmp_path / "backbone~x" / "method~y" / "seed~0")
     with pytest.raises(FileNotFoundError, match="runs directory not found"):
         discover_cells(tmp_path / "nowhere")
 
