@@ -461,11 +461,12 @@ def _fmt(params: dict) -> str:
 # one trial
 
 
-def objective(run_dir: str | Path, metric: str, direction: str) -> float:
-    """Best value of `metric` over the run's trained steps in metrics.jsonl (a resumed step's
-    later row wins). Step 0, the starting policy, counts only when it is all there is: every
-    trial starts from it, so it would tie trials that training has not yet moved (as
-    checkpoint selection, a2tgpo/eval/select.py)."""
+def objective(run_dir: str | Path, metric: str, direction: str, *, trains: bool) -> float:
+    """Best value of `metric` over the run's steps in metrics.jsonl (a resumed step's later row
+    wins), by checkpoint selection's rule (a2tgpo.eval.select.best_step): step 0, the starting
+    policy, counts only for a method that does not train (every trial starts from it, so it
+    would tie trials that training has not yet moved); `trains` = the trial's method.train."""
+    from a2tgpo.eval.select import best_step
     from a2tgpo.tracking import read_metrics
 
     try:
@@ -476,13 +477,15 @@ def objective(run_dir: str | Path, metric: str, direction: str) -> float:
     by_step = {}
     for r in rows:
         if r.get(metric) is not None:
-            by_step[r.get("step")] = float(r[metric])
+            by_step[int(r["step"])] = float(r[metric])
     if not by_step:
         raise SweepError(f"{run_dir}/metrics.jsonl has no value of {metric!r} (the sweep's "
                          "metric); check the key (e.g. val/em)")
-    if len(by_step) > 1:
-        by_step.pop(0, None)
-    return max(by_step.values()) if direction == "maximize" else min(by_step.values())
+    step = best_step(by_step, trains=trains, maximize=direction == "maximize")
+    if step is None:
+        raise SweepError(f"{run_dir}/metrics.jsonl has {metric!r} at step 0 (the starting "
+                         "policy) only; the objective counts trained steps")
+    return by_step[step]
 
 
 def run_config_matches(cfg) -> bool:
@@ -567,7 +570,8 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
     head = f"[sweep {sweep.name}] trial {index + 1}/{n} (Optuna #{claim.number})"
     if claim.reuse:
         _say(f"{head}: already trained ({_fmt(values)}); reusing {cfg.run_dir}")
-        value = objective(cfg.run_dir, sweep.metric, sweep.direction)
+        value = objective(cfg.run_dir, sweep.metric, sweep.direction,
+                          trains=cfg.method.train)
     else:
         run_dir = Path(cfg.run_dir)
         if run_dir.exists() and not run_config_matches(cfg):
@@ -581,7 +585,8 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
             if train_fn is None:
                 from a2tgpo.train.rl import train as train_fn
             train_fn(cfg)
-            value = objective(cfg.run_dir, sweep.metric, sweep.direction)
+            value = objective(cfg.run_dir, sweep.metric, sweep.direction,
+                              trains=cfg.method.train)
         except Exception as e:
             # (KeyboardInterrupt / SystemExit, e.g. preemption, pass through: the trial stays
             # RUNNING, and the rerun of this index fails it and resumes with the same params)

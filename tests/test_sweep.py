@@ -279,15 +279,18 @@ def test_objective_reads_metrics_with_resumed_rows_winning(tmp_path):
     rows = [{"step": 0, "val/em": 0.2}, {"step": 4, "val/em": 0.9},  # step 4 lost in a kill,
             {"step": 4, "val/em": 0.5}, {"step": 8, "val/em": 0.4}]  # redone after resume
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert sw.objective(tmp_path, "val/em", "maximize") == 0.5
+    assert sw.objective(tmp_path, "val/em", "maximize", trains=True) == 0.5
     # trained steps only: {4: 0.5, 8: 0.4} -> min 0.4 (step 0's 0.2 is the starting policy)
-    assert sw.objective(tmp_path, "val/em", "minimize") == 0.4
+    assert sw.objective(tmp_path, "val/em", "minimize", trains=True) == 0.4
+    # a method that does not train: step 0 counts
+    assert sw.objective(tmp_path, "val/em", "minimize", trains=False) == 0.2
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/em": 0.2}) + "\n")
-    assert sw.objective(tmp_path, "val/em", "maximize") == 0.2  # nothing trained yet
+    with pytest.raises(sw.SweepError, match="at step 0 .* only"):  # nothing trained yet
+        sw.objective(tmp_path, "val/em", "maximize", trains=True)
     with pytest.raises(sw.SweepError, match="no value of 'val/f1'"):
-        sw.objective(tmp_path, "val/f1", "maximize")
+        sw.objective(tmp_path, "val/f1", "maximize", trains=True)
     with pytest.raises(sw.SweepError, match="no metrics.jsonl"):
-        sw.objective(tmp_path / "nothing", "val/em", "maximize")
+        sw.objective(tmp_path / "nothing", "val/em", "maximize", trains=True)
 
 
 def test_pick_best():

@@ -10,14 +10,14 @@ Two criteria (DESIGN §3 "Selection and evaluation"):
   `<cell>/eval_all/step_NNNNNN/summary.json`) and the one with the best sample-weighted average
   EM over all test questions is chosen. This selects on the test set; tables label it so.
 
-Step 0 (the starting policy, saved before the first update) is a candidate only when it is the
-only checkpoint, i.e. for ReAct: a trained method reports a trained checkpoint, as the papers
-do (they save every 20 steps from step 20). Otherwise a cell whose training has not yet
-beaten its warm start would silently report the starting policy, and every method's row would
-be ReAct's.
-
-Ties go to the EARLIEST step under both criteria (the first checkpoint that reached the best
-value; training's own best-step bookkeeping uses the same rule, a strict `>`).
+Which step is best is one rule, `best_step`, shared with training's own best-step bookkeeping
+(a2tgpo/train/rl.py) and the sweeps' objective (a2tgpo/sweep.py): the best value wins by a
+strict comparison, so ties go to the EARLIEST step (the first checkpoint that reached it); step
+0 (the starting policy, saved before the first update) is a candidate only for a method that
+does not train (ReAct, `method.train: false` in the cell's config.yaml). A trained method
+reports a trained checkpoint, as the papers do (they save every 20 steps from step 20);
+otherwise a cell whose training has not yet beaten its warm start would silently report the
+starting policy, and every method's row would be ReAct's.
 
 `<cell>/best.json` (written atomically):
 
@@ -34,9 +34,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from a2tgpo.algo.methods import MethodConfig
+from a2tgpo.config import ConfigError, load_config
 from a2tgpo.io import atomic_write_json
 from a2tgpo.tracking import METRICS_FILE, SUMMARY_FILE, read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, list_checkpoints
@@ -109,23 +112,53 @@ def test_avg_by_step(eval_all_dir: str | Path) -> dict[int, dict]:
     return out
 
 
-def _best(candidates: dict[int, float]) -> int:
-    # max value; among equal values the smallest step (earliest checkpoint)
-    return min(candidates, key=lambda s: (-candidates[s], s))
+def is_candidate(step: int, *, trains: bool) -> bool:
+    """Step 0, the starting policy, is a candidate only for a method that does not train."""
+    return step > 0 or not trains
+
+
+def best_step(values: Mapping[int, float], *, trains: bool, maximize: bool = True
+              ) -> int | None:
+    """The best step of `values` (step -> metric): the best value by a strict comparison, so
+    among equal values the EARLIEST step wins; step 0 (the starting policy) is a candidate only
+    when `trains` is False (the method does not train, e.g. ReAct). None when no step is a
+    candidate. One rule for checkpoint selection, training's best step and sweep objectives."""
+    best = None
+    for step in sorted(values):
+        if not is_candidate(step, trains=trains):
+            continue
+        v = values[step]
+        if best is None or (v > values[best] if maximize else v < values[best]):
+            best = step
+    return best
+
+
+def method_trains(cell_dir: str | Path) -> bool:
+    """`method.train` of the cell's config.yaml (the resolved TrainConfig training ran with)."""
+    path = Path(cell_dir) / "config.yaml"
+    try:
+        return load_config(MethodConfig, path, section="method").train
+    except ConfigError as e:
+        raise SelectionError(f"{e} (selection reads method.train there: step 0 is a candidate "
+                             "only for a method that does not train)") from None
 
 
 def select_checkpoint(cell_dir: str | Path, criterion: Criterion = "dev_em", *,
+                      trains: bool | None = None,
                       eval_all_dir: str | Path | None = None) -> dict:
     """The best.json record for `cell_dir` under `criterion` (see the module docstring).
+    `trains`: whether the cell's method trains; None = read it from the cell's config.yaml.
 
     Raises SelectionError naming the files when no step has both a complete checkpoint and a
-    value (dev_em: a validation row; test_avg: an eval_all summary), and, for test_avg, when
-    some complete checkpoints were not evaluated or the summaries cover different test sets
-    (their averages would not be comparable).
+    value (dev_em: a validation row; test_avg: an eval_all summary), when only step 0 has one
+    for a trained method, and, for test_avg, when some complete checkpoints were not evaluated
+    or the summaries cover different test sets (their averages would not be comparable).
     """
     cell = Path(cell_dir)
     if criterion not in CRITERIA:
         raise ValueError(f"unknown criterion {criterion!r}; expected one of {CRITERIA}")
+    if trains is None:
+        trains = method_trains(cell)
     ckpts = complete_checkpoints(cell)
     if not ckpts:
         raise SelectionError(f"{cell / 'checkpoints'}: no complete checkpoint (a directory "
@@ -169,12 +202,14 @@ def select_checkpoint(cell_dir: str | Path, criterion: Criterion = "dev_em", *,
                 f"{datasets[first]}; step {differ[0]}: {datasets[differ[0]]}); re-run "
                 "`a2tgpo evaluate --all-checkpoints` with one set of test files")
         candidates = {s: float(v["groups"]["all"]["em"]) for s, v in summaries.items()}
-    if any(s > 0 for s in candidates) and 0 in candidates:
-        candidates = {s: v for s, v in candidates.items() if s > 0}  # see the module docstring
+    candidates = {s: v for s, v in candidates.items() if is_candidate(s, trains=trains)}
+    if not candidates:
+        raise SelectionError(f"{cell}: a trained method reports a trained checkpoint, but only "
+                             f"step 0 (the starting policy) has a {criterion} value")
     bad = [s for s, v in candidates.items() if not math.isfinite(v)]
     if bad:
         raise SelectionError(f"{cell}: non-finite {criterion} values at steps {bad}")
-    step = _best(candidates)
+    step = best_step(candidates, trains=trains)
     return {
         "criterion": criterion,
         "label": LABELS[criterion],

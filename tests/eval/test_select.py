@@ -5,15 +5,27 @@ import json
 
 import pytest
 
+from a2tgpo.algo.methods import METHODS
 from a2tgpo.cli import main
-from a2tgpo.eval.select import SelectionError, read_best, select_checkpoint, write_best
+from a2tgpo.config import dump_yaml, to_dict
+from a2tgpo.eval.select import (
+    SelectionError,
+    best_step,
+    read_best,
+    select_checkpoint,
+    write_best,
+)
 from a2tgpo.tracking import Tracker, TrackingConfig
 
 
-def make_cell(root, val_rows, complete=(), incomplete=()):
+def make_cell(root, val_rows, complete=(), incomplete=(), method="grpo"):
     """A cell with `val_rows` [(step, val/em)] logged in order (one Tracker per list element,
-    so a list of lists is a run resumed in between), plus training rows without val/em."""
+    so a list of lists is a run resumed in between), plus training rows without val/em, and the
+    method section of its config.yaml (method=None: no config.yaml)."""
     cell = root / "cell"
+    cell.mkdir(parents=True)
+    if method is not None:
+        (cell / "config.yaml").write_text(dump_yaml({"method": to_dict(METHODS[method])}))
     for job in val_rows:
         with Tracker(cell, TrackingConfig(mlflow=False), study="t", run_name="c",
                      results_dir=root) as t:
@@ -67,10 +79,37 @@ def test_trained_cell_never_reports_its_starting_policy(tmp_path):
 
 
 def test_react_cell_has_only_step_zero(tmp_path):
-    cell = make_cell(tmp_path, [[(0, 0.25)]], complete=(0,))
+    cell = make_cell(tmp_path, [[(0, 0.25)]], complete=(0,), method="react")
     best = select_checkpoint(cell)
     assert (best["step"], best["checkpoint"], best["value"]) == (
         0, "checkpoints/step_000000/model", 0.25)
+
+
+def test_trained_cell_with_only_its_starting_policy_is_refused(tmp_path):
+    cell = make_cell(tmp_path, [[(0, 0.25)]], complete=(0,))
+    with pytest.raises(SelectionError, match=r"cell: a trained method reports a trained "
+                       r"checkpoint, but only step 0 .* has a dev_em value"):
+        select_checkpoint(cell)
+    assert select_checkpoint(cell, trains=False)["step"] == 0  # the caller may say so
+    bare = make_cell(tmp_path / "b", [[(0, 0.25)]], complete=(0,), method=None)
+    with pytest.raises(SelectionError, match=r"b/cell/config.yaml: file not found \(selection "
+                       r"reads method.train"):
+        select_checkpoint(bare)
+
+
+def test_best_step_rule():
+    # strict comparison: a tie keeps the earlier step, whatever order the mapping has
+    assert best_step({20: 0.5, 10: 0.5, 30: 0.4}, trains=True) == 10
+    assert best_step({10: 0.5, 20: 0.6}, trains=True) == 20
+    assert best_step({10: 0.5, 20: 0.4, 30: 0.4}, trains=True, maximize=False) == 20
+    # step 0 is the starting policy: never a trained method's best, even when it scores best
+    assert best_step({0: 0.9, 10: 0.3, 20: 0.2}, trains=True) == 10
+    assert best_step({0: 0.9}, trains=True) is None
+    assert best_step({}, trains=False) is None
+    # ... but a candidate for a method that does not train, winning ties as the earliest
+    assert best_step({0: 0.4}, trains=False) == 0
+    assert best_step({0: 0.4, 10: 0.4}, trains=False) == 0
+    assert best_step({0: 0.1, 10: 0.4}, trains=False, maximize=False) == 0
 
 
 def test_dev_em_errors_name_the_file(tmp_path):
