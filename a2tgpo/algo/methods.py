@@ -128,7 +128,8 @@ class MethodConfig:
     """One method (config/methods/<id>.yaml)."""
 
     id: str = option(doc="Method id: file name, grid value, MLflow tag, table row.")
-    name: str = option(doc="Display name in tables.")
+    name: str = option(doc="Display name in tables and plots (report.method_labels may "
+                                "override it).")
     paper: str = option(doc="Where the method is defined (arXiv id and section).")
     train: bool = option(True, "False = evaluation only (ReAct).")
     reward: Literal["a2tgpo", "search_r1", "search_r1_format"] = option(
@@ -227,7 +228,7 @@ def _build() -> dict[str, MethodConfig]:
             rollout=RolloutShapeConfig(shape="aepo", n=16, aepo_initial=8)),
         # A2TGPO and its additive ablation cells (Tables 2 and 4); IGPO is the first cell
         _a2tgpo("a2tgpo_tgn", "IGPO + turn-group norm", sqrt_rescale=False, beta=0.0),
-        _a2tgpo("a2tgpo_tgn_sqrt", "+ D_t rescaling", beta=0.0),
+        _a2tgpo("a2tgpo_tgn_sqrt", "IGPO + TGN + D_t/√n", beta=0.0),
         _a2tgpo("a2tgpo", "A2TGPO"),
         # the released code's reading (algorithms.md §9.2-9.3): log-prob IG, no first-turn IG,
         # process weight 0.3, token-mean
@@ -239,15 +240,15 @@ def _build() -> dict[str, MethodConfig]:
         # AT2PO and its ablations (AT2PO Table 4 additive cells; Table 3 credit variants)
         _at2po("at2po_random_grpo", "random tree + GRPO loss", select="random", ratio="token",
                estimator="grpo"),
-        _at2po("at2po_random_atpo", "+ ATPO loss", select="random", estimator="grpo"),
-        _at2po("at2po_entropy_atpo", "+ entropy expansion", estimator="grpo"),
+        _at2po("at2po_random_atpo", "random tree + ATPO", select="random", estimator="grpo"),
+        _at2po("at2po_entropy_atpo", "entropy tree + ATPO", estimator="grpo"),
         _at2po("at2po", "AT2PO"),
         _at2po("at2po_release", "AT2PO (released code)", value_mode="child_softmax"),
-        _at2po("at2po_child_mean", "A=V, child-mean", value_mode="child_mean"),
-        _at2po("at2po_leaf_mean", "A=V, leaf-mean", value_mode="leaf_mean"),
-        _at2po("at2po_diff_parent", "A=V−V_parent", adv_mode="diff_parent"),
-        _at2po("at2po_diff_root", "A=V−V_root", adv_mode="diff_global"),
-        _at2po("at2po_diff_localglobal", "A=L+G", adv_mode="diff_localglobal"),
+        _at2po("at2po_child_mean", "AT2PO child-mean", value_mode="child_mean"),
+        _at2po("at2po_leaf_mean", "AT2PO leaf-mean", value_mode="leaf_mean"),
+        _at2po("at2po_diff_parent", "AT2PO A=V−V_parent", adv_mode="diff_parent"),
+        _at2po("at2po_diff_root", "AT2PO A=V−V_root", adv_mode="diff_global"),
+        _at2po("at2po_diff_localglobal", "AT2PO A=L+G", adv_mode="diff_localglobal"),
     ]
     return {m.id: m for m in methods}
 

@@ -26,22 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from a2tgpo.algo.methods import METHODS
 from a2tgpo.cell import Cell, ReportInputError
 from a2tgpo.config import format_value, option
 
 log = logging.getLogger(__name__)
 
-# the papers' labels for every method id of the method table (a2tgpo/algo/methods.py)
-_METHOD_LABELS = {
-    "react": "ReAct", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "tree_grpo": "Tree-GRPO",
-    "gigpo": "GiGPO", "igpo": "IGPO", "aepo": "AEPO", "at2po": "AT2PO", "a2tgpo": "A2TGPO",
-    "a2tgpo_tgn": "IGPO + turn-group norm", "a2tgpo_tgn_sqrt": "IGPO + TGN + D_t/√n",
-    "a2tgpo_release": "A2TGPO (released code)", "at2po_release": "AT2PO (released code)",
-    "at2po_random_grpo": "random tree + GRPO loss", "at2po_random_atpo": "random tree + ATPO",
-    "at2po_entropy_atpo": "entropy tree + ATPO", "at2po_child_mean": "AT2PO child-mean",
-    "at2po_leaf_mean": "AT2PO leaf-mean", "at2po_diff_parent": "AT2PO A=V−V_parent",
-    "at2po_diff_root": "AT2PO A=V−V_root", "at2po_diff_localglobal": "AT2PO A=L+G",
-}
 _BACKBONE_LABELS = {"qwen3-4b": "Qwen3-4B", "qwen3-8b": "Qwen3-8B", "qwen2.5-7b": "Qwen2.5-7B",
                     "qwen2.5-7b-instruct": "Qwen2.5-7B-Instruct", "toy": "toy"}
 _DATASET_LABELS = {"hotpotqa": "HotpotQA", "2wikimultihopqa": "2Wiki", "musique": "MuSiQue",
@@ -70,8 +60,9 @@ class ReportConfig:
         "Rows of the main table (A2TGPO Table 1 order, with AT2PO from its Table 1 before "
         "A2TGPO), and the methods of the training-curve, tool-call and time plots.")
     method_labels: dict[str, str] = option(
-        doc="Display label per method id (main table and plot legends); ids not listed take "
-        "the built-in label, else are shown as they are.", factory=lambda: dict(_METHOD_LABELS))
+        doc="Display label per method id (main table and plot legends); ids not listed show "
+        "the method table's name (config/methods/<id>.yaml `name`), else the id.",
+        factory=dict)
     datasets: tuple[str, ...] = option(
         ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle", "nq", "triviaqa", "popqa"),
         "Dataset column order within each group (Table 1). Datasets in the results but not "
@@ -145,7 +136,8 @@ class ReportConfig:
     # ---- labels ---------------------------------------------------------------------------
 
     def method_label(self, method: str) -> str:
-        return self.method_labels.get(method) or _METHOD_LABELS.get(method, method)
+        return self.method_labels.get(method) or (METHODS[method].name if method in METHODS
+                                                  else method)
 
     def backbone_label(self, backbone: str) -> str:
         return self.backbone_labels.get(backbone) or _BACKBONE_LABELS.get(backbone, backbone)

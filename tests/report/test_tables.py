@@ -1,5 +1,6 @@
 """Tables from synthetic cells: values, seeds, bold, ties, missing cells, escaping, CSV."""
 
+import dataclasses
 import json
 import logging
 
@@ -259,3 +260,18 @@ def test_cli_tables_with_config(make_cell, tmp_path, capsys):
     assert cli_main(["tables", "--runs", str(runs), "--config", str(bad),
                      "--out", str(out)]) == 2
     assert "decimal: unknown key (did you mean 'decimals'?)" in capsys.readouterr().err
+
+
+def test_method_labels_are_the_method_tables_names(monkeypatch):
+    from a2tgpo.algo import methods
+
+    cfg = ReportConfig()
+    assert {m: cfg.method_label(m) for m in methods.METHODS} == \
+        {m: c.name for m, c in methods.METHODS.items()}
+    # read from the table, not a copy: a renamed method is shown by its new name
+    renamed = dataclasses.replace(methods.METHODS["grpo"], name="Group RPO")
+    monkeypatch.setitem(methods.METHODS, "grpo", renamed)
+    assert cfg.method_label("grpo") == "Group RPO"
+    # report.method_labels overrides; an id outside the table is shown as it is
+    assert ReportConfig(method_labels={"grpo": "G"}).method_label("grpo") == "G"
+    assert cfg.method_label("my_method") == "my_method"
