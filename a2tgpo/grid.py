@@ -9,8 +9,9 @@ names every coordinate.
 Cells come from the study's `grid.sets` (e.g. main, beta, seeds); `grid.default` names the sets
 a bare `snakemake` runs, the others are targets of their own (`snakemake beta`). A set lists
 methods and, optionally, backbones (default: all of the study's), betas (default: each method's
-own beta; only methods whose estimator reads beta get other values) and seeds, with exclusions
-as "backbone:method" pairs (Tree-GRPO only on Qwen2.5-7B in the paper).
+own beta; a set with betas may list only methods that read beta, i.e. with loss.adaptive_clip)
+and seeds, with exclusions as "backbone:method" pairs (Tree-GRPO only on Qwen2.5-7B in the
+paper).
 
 `cell_config` resolves one cell into the TrainConfig that `a2tgpo train` reads: the method file,
 the set's beta, the study's `train` section, then the study's dotted overrides (all cells), then
@@ -42,8 +43,8 @@ class CellSet:
     tracks: tuple[str, ...] = option((), "Training tracks (keys of the study's `tracks`); empty = "
                                          "all of them.")
     betas: tuple[float, ...] = option(
-        (), "Adaptive-clip strengths β for methods whose estimator reads β (igpo_family); "
-        "empty = each method's own β. Other methods always use their own.")
+        (), "Adaptive-clip strengths β (a cell each); every method of the set must read β "
+        "(loss.adaptive_clip: true). Empty = each method's own β.")
     seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).")
     exclude: tuple[str, ...] = option((), "\"backbone:method\" pairs left out (e.g. "
                                           "\"qwen3-4b:tree_grpo\").")
@@ -110,12 +111,12 @@ class TrackConfig:
 
 
 def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
-             method_beta: dict[str, tuple[float, bool]],
+             method_beta: dict[str, float],
              study_tracks: tuple[str, ...] = ("",)) -> list[Cell]:
-    """The cells of one set, in a stable order.
+    """The cells of one set, in a stable order (of a grid `validate_grid` accepted).
 
-    `method_beta[m] = (own beta, reads beta)` for every method id the set names;
-    `study_tracks`: the study's track names ("" = no tracks).
+    `method_beta[m]`: the own β of every method id the set names; `study_tracks`: the study's
+    track names ("" = no tracks).
     """
     s = grid.sets[set_name]
     backbones = s.backbones or study_backbones
@@ -130,8 +131,7 @@ def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
         for m in s.methods:
             if (b, m) in excluded or (m in only and b not in only[m]):
                 continue
-            own, reads = method_beta[m]
-            betas = s.betas if (s.betas and reads) else (normalize_beta(own),)
+            betas = s.betas or (normalize_beta(method_beta[m]),)
             for track in tracks:
                 for beta in betas:
                     for seed in s.seeds:
@@ -140,11 +140,11 @@ def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
 
 
 def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_dir: str,
-                  source: str, study_tracks: tuple[str, ...] = ("",)
-                  ) -> dict[str, tuple[float, bool]]:
-    """Check every id the grid names; returns method id -> (own beta, reads beta)."""
+                  source: str, study_tracks: tuple[str, ...] = ("",)) -> dict[str, float]:
+    """Check every id the grid names, and that a set with betas lists only methods that read β;
+    returns method id -> its own beta."""
 
-    out: dict[str, tuple[float, bool]] = {}
+    out: dict[str, float] = {}
     for name, s in grid.sets.items():
         for i, t in enumerate(s.tracks):
             if t not in study_tracks:
@@ -155,12 +155,17 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
                 raise ConfigError(f"{source}: grid.sets.{name}.backbones[{i}]: {b!r} is not "
                                   f"one of the study's backbones ({', '.join(study_backbones)})")
         for i, m in enumerate(s.methods):
-            if m not in out:
-                try:
-                    cfg = _method(m, methods_dir)
-                except ConfigError as e:
-                    raise ConfigError(f"{source}: grid.sets.{name}.methods[{i}]: {e}") from None
-                out[m] = (cfg.advantage.beta, cfg.advantage.estimator == "igpo_family")
+            try:
+                cfg = _method(m, methods_dir)  # cached: read once per process
+            except ConfigError as e:
+                raise ConfigError(f"{source}: grid.sets.{name}.methods[{i}]: {e}") from None
+            out[m] = cfg.advantage.beta
+            if s.betas and not cfg.reads_beta:
+                # its cells would differ in name only: β is the adaptive-clip strength
+                raise ConfigError(
+                    f"{source}: grid.sets.{name}.betas: method {m!r} (methods[{i}]) does not "
+                    "read β (its loss.adaptive_clip is false), so every β would train the same "
+                    f"run; list only methods that read β in set {name!r}")
         for key, pairs in (("exclude", s.exclude), ("only", s.only)):
             for i, p in enumerate(pairs):
                 b, m = p.split(":")
@@ -170,7 +175,7 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method(method_id: str, methods_dir: str):
     """The method file, read once per process (the DAG resolves hundreds of cells)."""
     from a2tgpo.algo.methods import get_method

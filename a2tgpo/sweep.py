@@ -160,7 +160,8 @@ class SweepBase:
 
     backbone: str = option(doc="Backbone id (one of the study's backbones).")
     method: str = option("a2tgpo", "Method id (config/methods/<id>.yaml); it must read the "
-                                   "searched keys (β: igpo_family; γ: igpo_family or gigpo).")
+                                   "searched keys (β: loss.adaptive_clip true; γ: estimator "
+                                   "igpo_family or gigpo).")
     seed: int = option(1, "Training seed of every trial.")
     track: str = option("", "Training track (a key of the study's `tracks`); empty = the "
                             "study's single implicit track (a study without tracks).")
@@ -220,14 +221,18 @@ def load_sweep(path: str | Path, overrides=()) -> SweepConfig:
 
 
 def check_method(sweep: SweepConfig, method, source: str) -> None:
-    """The base method must read every searched key (else the sweep would search nothing)."""
-    est = method.advantage.estimator
-    readers = {"beta": ("igpo_family",), "gamma": ("igpo_family", "gigpo")}
+    """The base method must read every searched (or fixed) key, else its trials would train
+    the same run: β needs loss.adaptive_clip, γ an igpo_family or gigpo estimator."""
+    reads = {"beta": (method.reads_beta, "loss.adaptive_clip: true"),
+             "gamma": (method.reads_gamma, "advantage.estimator igpo_family or gigpo")}
     for p in sweep.search.searched + tuple(p for p in PARAMS
                                            if getattr(sweep.search, p).fixed is not None):
-        if est not in readers[p]:
-            raise ConfigError(f"{source}: search.{p}: method {method.id!r} (advantage estimator "
-                              f"{est!r}) does not read {p}; it needs {' or '.join(readers[p])}")
+        ok, needs = reads[p]
+        if not ok:
+            raise ConfigError(
+                f"{source}: search.{p}: method {method.id!r} (advantage estimator "
+                f"{method.advantage.estimator!r}, loss.adaptive_clip "
+                f"{str(method.loss.adaptive_clip).lower()}) does not read {p}; it needs {needs}")
 
 
 def sweep_dir(base, sweep: SweepConfig) -> Path:

@@ -1,11 +1,10 @@
-"""The grid: cell paths round-trip, sets expand with exclusions, cells resolve to TrainConfigs."""
+"""The grid: sets expand with exclusions, β grids need β readers, cells resolve to configs."""
 
 import dataclasses
 
 import pytest
 
 from a2tgpo.algo.methods import METHODS
-from a2tgpo.config import ConfigError, from_dict
 from a2tgpo.cell import Cell
 from a2tgpo.config import ConfigError, from_dict
 from a2tgpo.grid import CellSet, GridConfig, TrainSection, cell_config, cells_of, validate_grid
@@ -41,7 +40,7 @@ def test_strict_keys_of_the_shared_settings():
         from_dict(TrainSection, {"zero_stage": 4})
 
 
-BETAS = {"grpo": (0.0, False), "a2tgpo": (0.3, True), "tree_grpo": (0.0, False)}
+BETAS = {"grpo": 0.0, "a2tgpo": 0.3, "tree_grpo": 0.0}  # own β, as validate_grid returns
 
 
 def test_cells_of_expands_and_excludes():
@@ -64,9 +63,20 @@ def test_cells_of_expands_and_excludes():
                                       "backbone~b1/method~a2tgpo/beta~0.5/seed~1"]
 
 
-def test_betas_only_apply_to_methods_that_read_beta():
-    grid = GridConfig(sets={"s": CellSet(methods=("grpo",), betas=(0.1, 0.2))}, default=("s",))
-    assert [c.beta for c in cells_of(grid, "s", ("b",), BETAS)] == [0.0]
+def test_a_beta_grid_over_a_method_that_does_not_read_beta_is_an_error():
+    # IGPO's estimator is igpo_family, but without adaptive clipping β changes nothing: its
+    # cells would be one run under six names
+    grid = GridConfig(sets={"abl": CellSet(methods=("a2tgpo", "igpo"), betas=(0.0, 0.5))},
+                      default=("abl",))
+    with pytest.raises(ConfigError, match=r"^study.yaml: grid.sets.abl.betas: method 'igpo' "
+                       r"\(methods\[1\]\) does not read β .* in set 'abl'$"):
+        validate_grid(grid, ("toy",), "config/methods", "study.yaml")
+    ok = GridConfig(sets={"abl": CellSet(methods=("a2tgpo",), betas=(0.0, 0.5)),
+                          "main": CellSet(methods=("igpo", "grpo"))})
+    own = validate_grid(ok, ("toy",), "config/methods", "study.yaml")
+    assert own == {"a2tgpo": 0.3, "igpo": 0.0, "grpo": 0.0}
+    assert [c.beta for c in cells_of(ok, "abl", ("toy",), own)] == [0.0, 0.5]
+    assert [c.beta for c in cells_of(ok, "main", ("toy",), own)] == [0.0, 0.0]
 
 
 def test_validate_grid_names_the_bad_entry(tmp_path):

@@ -135,6 +135,16 @@ def test_method_must_read_the_searched_keys(tmp_path):
         sw.check_method(cfg, get_method("grpo"), "s.yaml")
     gamma_only = make_sweep(tmp_path, search={"gamma": {"low": 0.8, "high": 1.0}})
     sw.check_method(gamma_only, get_method("gigpo"), "s.yaml")  # GiGPO reads γ, not β
+    # IGPO's estimator reads γ, but β only with adaptive clipping, which it has not
+    with pytest.raises(ConfigError, match=r"^config/sweeps/s.yaml: search.beta: method 'igpo' "
+                       r"\(advantage estimator 'igpo_family', loss.adaptive_clip false\) does "
+                       r"not read beta; it needs loss.adaptive_clip: true$"):
+        sw.check_method(cfg, get_method("igpo"), "config/sweeps/s.yaml")
+    sw.check_method(gamma_only, get_method("igpo"), "s.yaml")
+    # a method that reads neither: refused for either key
+    with pytest.raises(ConfigError, match=r"^config/sweeps/s.yaml: search.gamma: method "
+                       r"'grpo' .* does not read gamma; it needs advantage.estimator "):
+        sw.check_method(gamma_only, get_method("grpo"), "config/sweeps/s.yaml")
 
 
 def test_trial_config_applies_overrides_params_and_paths(tmp_path):

@@ -41,7 +41,8 @@ class AdvantageConfig:
     process_weight: float = option(
         1.0, "igpo_family: weight α of the accumulated IG term (paper 1.0, released code 0.3).")
     beta: float = option(
-        0.0, "igpo_family: adaptive clip strength β, c = 1 + β(2σ(îg) − 1); 0 = fixed clip.")
+        0.0, "Strength β of adaptive clipping (loss.adaptive_clip, igpo_family): c = 1 + "
+        "β(2σ(îg) − 1); must be 0 without adaptive clipping.")
     omega: float = option(1.0, "gigpo: weight ω of the step advantage.")
     gigpo_mode: Literal["mean_norm", "mean_std_norm"] = option(
         "mean_std_norm", "gigpo: normalisation of episode and step advantages.")
@@ -80,7 +81,9 @@ class LossConfig:
     dual_clip: float | None = option(3.0, "Dual-clip constant c for A < 0; null = none.")
     upper_clip: Literal["hard", "gradient_preserving"] = option(
         "hard", "gradient_preserving = AEPO's clip that keeps the gradient above 1 + ε_high.")
-    adaptive_clip: bool = option(False, "Use the estimator's per-turn clip scales (A2TGPO).")
+    adaptive_clip: bool = option(
+        False, "The switch of A2TGPO's adaptive clipping: per-turn clip scales of strength "
+        "advantage.beta (igpo_family only).")
     agg_mode: AggMode = option("token-mean", "Loss aggregation over the mini-batch.")
     kl_coef: float = option(0.0, "KL-to-reference loss coefficient; 0 = no reference model.")
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = option(
@@ -145,12 +148,28 @@ class MethodConfig:
         a, lo = self.advantage, self.loss
         if lo.adaptive_clip and a.estimator != "igpo_family":
             raise ValueError("loss.adaptive_clip needs advantage.estimator igpo_family")
+        if a.beta != 0 and not lo.adaptive_clip:
+            # β is only the strength: without the switch it would change nothing, and a β grid
+            # would train identical runs under different names
+            raise ValueError(f"advantage.beta is {a.beta}, but loss.adaptive_clip is false: β "
+                             "is the adaptive-clip strength; set loss.adaptive_clip: true or "
+                             "beta: 0")
         if a.estimator == "igpo_family" and not self.info_gain.enabled:
             raise ValueError("advantage.estimator igpo_family needs info_gain.enabled")
         if a.estimator == "at2po" and self.rollout.shape not in ("tree_random", "tree_entropy"):
             raise ValueError("advantage.estimator at2po needs a tree rollout shape")
         if a.estimator == "tree_grpo" and self.rollout.shape != "tree_random":
             raise ValueError("advantage.estimator tree_grpo needs rollout.shape tree_random")
+
+    @property
+    def reads_beta(self) -> bool:
+        """Whether advantage.beta changes training: β is the adaptive-clip strength."""
+        return self.loss.adaptive_clip
+
+    @property
+    def reads_gamma(self) -> bool:
+        """Whether advantage.gamma changes training: the turn discount of these estimators."""
+        return self.advantage.estimator in ("igpo_family", "gigpo")
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,17 +184,18 @@ def _grpo_like(id: str, name: str, paper: str, **parts) -> MethodConfig:
     return MethodConfig(id=id, name=name, paper=paper, loss=LossConfig(**loss), **parts)
 
 
-def _a2tgpo(id: str, name: str, **adv) -> MethodConfig:
+def _a2tgpo(id: str, name: str, *, adaptive_clip: bool = True, **adv) -> MethodConfig:
     # A2TGPO §4 and App. B.4; released script ATGPO_multihop_qwen3_4B.sh (algorithms.md §9)
     settings = dict(estimator="igpo_family", ig_norm="turn_group", outcome_mode="added",
-                    gamma=1.0, sqrt_rescale=True, process_weight=1.0, beta=0.3)
+                    gamma=1.0, sqrt_rescale=True, process_weight=1.0,
+                    beta=0.3 if adaptive_clip else 0.0)
     settings.update(adv)
     return MethodConfig(
         id=id, name=name, paper="arXiv 2605.06200 §4 (Eq. 6-12), App. B.4",
         advantage=AdvantageConfig(**settings),
         info_gain=InfoGainConfig(enabled=True, value="prob", first_turn="question"),
         loss=LossConfig(ratio_level="turn", clip_low=3e-3, clip_high=4e-3, dual_clip=None,
-                        adaptive_clip=settings["beta"] > 0, agg_mode="seq-mean-token-mean",
+                        adaptive_clip=adaptive_clip, agg_mode="seq-mean-token-mean",
                         kl_coef=0.0),
     )
 
@@ -227,8 +247,9 @@ def _build() -> dict[str, MethodConfig]:
                             kl_coef=0.0),
             rollout=RolloutShapeConfig(shape="aepo", n=16, aepo_initial=8)),
         # A2TGPO and its additive ablation cells (Tables 2 and 4); IGPO is the first cell
-        _a2tgpo("a2tgpo_tgn", "IGPO + turn-group norm", sqrt_rescale=False, beta=0.0),
-        _a2tgpo("a2tgpo_tgn_sqrt", "IGPO + TGN + D_t/√n", beta=0.0),
+        _a2tgpo("a2tgpo_tgn", "IGPO + turn-group norm", adaptive_clip=False,
+                sqrt_rescale=False),
+        _a2tgpo("a2tgpo_tgn_sqrt", "IGPO + TGN + D_t/√n", adaptive_clip=False),
         _a2tgpo("a2tgpo", "A2TGPO"),
         # the released code's reading (algorithms.md §9.2-9.3): log-prob IG, no first-turn IG,
         # process weight 0.3, token-mean

@@ -1,5 +1,6 @@
 """The method table, its files, and the framework-agnostic `turn_advantages` entry point."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -8,9 +9,8 @@ import torch
 
 from a2tgpo.algo import turn_advantages
 from a2tgpo.algo.advantages import grpo_advantages, igpo_family_advantages
-from a2tgpo.algo.methods import METHODS, METHODS_DIR, get_method, render_method_yaml
+from a2tgpo.algo.methods import METHODS, METHODS_DIR, MethodConfig, get_method, render_method_yaml
 from a2tgpo.config import ConfigError, load_config
-from a2tgpo.algo.methods import MethodConfig
 
 REQUIRED = {"react", "grpo", "dapo", "gspo", "tree_grpo", "gigpo", "igpo", "aepo", "at2po",
             "a2tgpo", "a2tgpo_release", "a2tgpo_tgn", "a2tgpo_tgn_sqrt"}
@@ -23,7 +23,8 @@ def test_table_has_every_method_and_files_match():
     for mid, cfg in METHODS.items():
         path = Path(METHODS_DIR) / f"{mid}.yaml"
         # the committed file is the rendering of the table, and loads back to the same method
-        assert path.read_text() == render_method_yaml(cfg), f"{path} is stale: a2tgpo methods --write"
+        assert path.read_text() == render_method_yaml(cfg), \
+            f"{path} is stale: a2tgpo methods --write"
         assert load_config(MethodConfig, path) == cfg
         assert "# default (our choice)" not in path.read_text() or mid in ("dapo",), mid
 
@@ -40,6 +41,24 @@ def test_method_file_overrides_and_validation(tmp_path):
     (tmp_path / "bad.yaml").write_text("id: bad\nname: B\npaper: x\nloss: {adaptive_clip: true}\n")
     with pytest.raises(ConfigError, match="adaptive_clip needs advantage.estimator igpo_family"):
         get_method("bad", tmp_path)
+
+
+def test_adaptive_clip_is_the_one_switch_and_beta_its_strength(tmp_path):
+    (tmp_path / "igpo_b.yaml").write_text(
+        "id: igpo_b\nname: B\npaper: x\nadvantage: {estimator: igpo_family, beta: 0.3}\n"
+        "info_gain: {enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"igpo_b.yaml: <root>: advantage.beta is 0.3, but "
+                       r"loss.adaptive_clip is false"):
+        get_method("igpo_b", tmp_path)
+    # switched on, β = 0 is allowed (clip scales of 1: the fixed clip)
+    on = dataclasses.replace(METHODS["a2tgpo"], advantage=dataclasses.replace(
+        METHODS["a2tgpo"].advantage, beta=0.0))
+    assert on.reads_beta and on.loss.adaptive_clip
+    # the table: only A2TGPO and its released reading read β; γ is read by the igpo_family
+    # and gigpo estimators
+    assert {m for m, c in METHODS.items() if c.reads_beta} == {"a2tgpo", "a2tgpo_release"}
+    assert {m for m, c in METHODS.items() if c.reads_gamma} == {
+        "gigpo", "igpo", "a2tgpo", "a2tgpo_tgn", "a2tgpo_tgn_sqrt", "a2tgpo_release"}
 
 
 def test_ablation_cells_differ_by_one_switch():
