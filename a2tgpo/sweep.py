@@ -527,7 +527,7 @@ def _say(msg: str) -> None:
 def _precreate_mlflow_run(cfg, sweep: SweepConfig, index: int, number: int) -> None:
     """Create the trial's MLflow run with its sweep tags before training (the training Tracker
     then resumes it by the run folder's mlflow_run.json and logs the rest)."""
-    from a2tgpo.grid import format_value
+    from a2tgpo.config import format_value
     from a2tgpo.tracking import Tracker
 
     if not cfg.tracking.mlflow:

@@ -36,8 +36,11 @@ def test_strict_keys_of_the_shared_settings():
     with pytest.raises(ConfigError, match=r"s.yaml: train.zero_stag: unknown key \(did you mean "
                        r"'zero_stage'\?\)"):
         from_dict(TrainSection, {"zero_stag": 3}, source="s.yaml", path="train")
-    with pytest.raises(ConfigError, match="zero_stage must be 1, 2 or 3"):
+    with pytest.raises(ConfigError, match="zero_stage must be 1 or 2"):
         from_dict(TrainSection, {"zero_stage": 4})
+    # ZeRO-3 shards the parameters that every rank's rollouts need: refused before any job
+    with pytest.raises(ConfigError, match="zero_stage 3 is not supported by RL training"):
+        from_dict(TrainSection, {"zero_stage": 3})
 
 
 BETAS = {"grpo": 0.0, "a2tgpo": 0.3, "tree_grpo": 0.0}  # own β, as validate_grid returns
@@ -101,7 +104,7 @@ def _resolve(cell, train):
 def test_cell_config_takes_every_shared_setting_from_the_train_section():
     train = from_dict(TrainSection, {
         "optim": {"lr": 3e-5}, "schedule": {"steps": 5}, "rollout": {"max_turn_tokens": 77},
-        "engine": "vllm", "device": "cpu", "backend": "deepspeed", "zero_stage": 3,
+        "engine": "vllm", "device": "cpu", "backend": "deepspeed", "zero_stage": 1,
         "ig_batch_size": 5})
     cfg = _resolve(Cell("toy", "grpo", 0.0, 1), train)
     for name in TrainSettings.__dataclass_fields__:

@@ -65,12 +65,6 @@ def turn_sum_count(values_BT: torch.Tensor, turn_id_BT: torch.Tensor, K: int
     return s[:, :K], c[:, :K]
 
 
-def turn_mean(values_BT: torch.Tensor, turn_id_BT: torch.Tensor, K: int) -> torch.Tensor:
-    """Mean of `values_BT` over each turn's tokens (B, K); 0 for turns with no tokens."""
-    s, c = turn_sum_count(values_BT, turn_id_BT, K)
-    return s / c.clamp(min=1)
-
-
 def local_denominators(mask_BT: torch.Tensor) -> tuple[float, float]:
     """(tokens, sequences) of a batch: the denominators of its own aggregation.
 

@@ -144,6 +144,12 @@ class MethodConfig:
     rollout: RolloutShapeConfig = option(doc="Rollout shape.", factory=RolloutShapeConfig)
     dapo: DapoConfig = option(doc="DAPO sampling pieces.", factory=DapoConfig)
 
+    @property
+    def answer_style(self) -> Literal["a2tgpo", "search_r1"]:
+        """The answer format the reward reads: a2tgpo = \\boxed{}, search_r1 = <answer> tags
+        (algo/rewards.py score_response); the prompt style must ask for it."""
+        return "search_r1" if self.reward.startswith("search_r1") else "a2tgpo"
+
     def __post_init__(self) -> None:
         a, lo = self.advantage, self.loss
         if lo.adaptive_clip and a.estimator != "igpo_family":

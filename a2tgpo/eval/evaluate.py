@@ -1,11 +1,11 @@
 """Test-set evaluation of a grid cell's checkpoint(s): greedy rollouts, EM/F1, group averages.
 
 The rollouts and scores are those of training's validation, by the same functions
-(`a2tgpo.train.rl.rollout(..., greedy=True)` and `a2tgpo.train.rl.score(..., training=False)`),
-so a dev EM and a test EM are measured the same way. The policy is the checkpoint's HF model
+(`a2tgpo.rollout.runner.rollout(..., greedy=True)` and `runner.score(..., training=False)`, with
+the same seed), so a dev EM and a test EM are measured the same way. The policy is the checkpoint's HF model
 directory, loaded through `a2tgpo.model.backbone` with the cell's backbone config pointed at it
 (dtype, chat template and thinking switch as in training); retriever and search tool are built
-from the cell's config as `rl.train` builds them.
+from the cell's config as training builds them.
 
 Throughput: the questions of ALL test sets go through the agent loop together, `chunk`
 questions per rollout call, so every wave of every call is one large engine batch (the hf
@@ -51,14 +51,19 @@ from typing import Any
 
 from a2tgpo.eval.select import read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
+from a2tgpo.rollout.runner import (
+    GREEDY_SEED,
+    make_engine,
+    question_of,
+    resolve_device,
+    rollout,
+    score,
+)
 from a2tgpo.tracking import SUMMARY_FILE
 from a2tgpo.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-# = a2tgpo.train.rl.VALIDATION_SEED (not imported: this module stays light for the CLI);
-# greedy decoding does not draw from it
-EVAL_SEED = 10_000_019
 # questions per rollout call: large waves; also the granularity of the progress bar
 DEFAULT_CHUNK = 1024
 # rows per forward of the hf engine on CPU. Every wave re-reads each row's whole context and
@@ -147,18 +152,6 @@ def group_averages(predictions: dict[str, list[dict]], groups: dict[str, str]) -
 # policy and rollouts
 
 
-def _reward_style(cfg: TrainConfig) -> str:
-    # as rl.score picks it (checked below: the recomputed EM must equal rl.score's)
-    return "search_r1" if cfg.method.reward.startswith("search_r1") else "a2tgpo"
-
-
-def _device(cfg: TrainConfig) -> str:
-    import torch
-
-    return cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available()
-                                                    else "cpu")
-
-
 def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | None = None,
                 engine=None):
     """(cfg with the backbone at `model_dir`, tokenizer, engine) for one checkpoint.
@@ -168,7 +161,6 @@ def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | Non
     the hf engine; None = CPU_MAX_BATCH on CPU, the engine's default on GPU.
     """
     from a2tgpo.model.backbone import load_model, load_tokenizer
-    from a2tgpo.train.rl import make_engine
 
     backbone = dataclasses.replace(cfg.backbone, path=str(model_dir), revision=None)
     cfg = dataclasses.replace(cfg, backbone=backbone)
@@ -179,7 +171,7 @@ def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | Non
         else:
             engine.update_weights(load_model(backbone, "cpu").state_dict())
         return cfg, tok, engine
-    device = _device(cfg)
+    device = resolve_device(cfg.device)
     engine = make_engine(cfg, load_model(backbone, device), tok)
     if max_batch is not None or device == "cpu":
         engine.max_batch = max_batch or CPU_MAX_BATCH
@@ -208,35 +200,24 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
     (file order). All sets' questions are pooled into rollout calls of `chunk` questions."""
     from tqdm import tqdm
 
-    from a2tgpo.algo.rewards import score_response
-    from a2tgpo.rollout.agent import Question
-    from a2tgpo.train.rl import rollout, score
-
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     items = [(s.name, r) for s in test_sets for r in s.rows]
-    style = _reward_style(cfg)
     out: dict[str, list[dict]] = {s.name: [] for s in test_sets}
     with tqdm(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
         watched = _WaveProgress(engine, bar)
         for start in range(0, len(items), chunk):
             part = items[start: start + chunk]
-            qs = [Question(r["id"], r["question"], tuple(r["golden_answers"])) for _, r in part]
+            qs = [question_of(r) for _, r in part]
             watched.wave = 0
-            trajs = rollout(cfg, qs, watched, tool, seed=EVAL_SEED, greedy=True)
+            trajs = rollout(cfg, qs, watched, tool, seed=GREEDY_SEED, greedy=True)
             trajs = score(cfg, tok, trajs, training=False)
             for (name, r), t in zip(part, trajs, strict=True):
                 if t.question_id != r["id"]:
                     raise RuntimeError(f"rollout order changed: {t.question_id} for {r['id']}")
-                # the extracted answer, by the same scorer rl.score used
-                s = score_response(tok.decode(t.response_ids(), skip_special_tokens=True),
-                                   list(t.golden_answers), style, training=False)
-                if s.em != t.extra["em"]:
-                    raise RuntimeError(f"{r['id']}: EM {s.em} here but {t.extra['em']} from "
-                                       "rl.score; the reward style rule has drifted")
                 out[name].append({
                     "id": r["id"], "question": r["question"],
-                    "golden_answers": list(r["golden_answers"]), "prediction": s.answer,
+                    "golden_answers": list(r["golden_answers"]), "prediction": t.extra["answer"],
                     "em": float(t.extra["em"]), "f1": float(t.extra["f1"]),
                     "format_ok": bool(t.extra["format_ok"]), "tool_calls": t.num_tool_calls,
                     "queries": [x.query for x in t.turns if x.stop == "search"],

@@ -49,7 +49,6 @@ class Generation:
     logprobs: tuple[float, ...]
     stop_reason: StopReason  # stop string, end-of-sequence token, or max_tokens
     stop_string: str | None = None  # which stop string ended it
-    entropies: tuple[float, ...] = field(default=())  # per-token entropy, when computed
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

@@ -1,7 +1,7 @@
 """`hf` engine: batched token-in/token-out sampling with a KV cache, on CPU or GPU.
 
 An explicit decode loop over a Hugging Face causal LM (rather than `model.generate`) because the
-agent needs, per sequence: the exact sampled ids, the raw log-probability and entropy of each,
+agent needs, per sequence: the exact sampled ids and the raw log-probability of each,
 its own stop strings and its own seed, and to leave the batch as soon as it stops (finished rows
 are dropped from the KV cache, so the batch shrinks instead of padding to the longest row).
 
@@ -97,7 +97,6 @@ class HfEngine:
         next_pos = pos[:, -1] + 1
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
-        ents: list[list[float]] = [[] for _ in range(B)]
         done: list[tuple[str, str | None] | None] = [None] * B
         max_stop = max((len(s) for s in params.stop), default=0)
 
@@ -107,13 +106,11 @@ class HfEngine:
             # one device->host transfer per step, not one per row
             step_tok = chosen.tolist()
             step_lp = logp.gather(-1, chosen[:, None])[:, 0].tolist()
-            step_ent = (-(logp.exp() * logp).sum(-1)).tolist()
             keep = []
             for i, r in enumerate(rows):
                 tok = step_tok[i]
                 toks[r].append(tok)
                 lps[r].append(step_lp[i])
-                ents[r].append(step_ent[i])
                 if tok in self.eos:
                     done[r] = ("eos", None)
                 elif params.stop and (hit := self._stop_hit(toks[r], params.stop, max_stop)):
@@ -135,8 +132,8 @@ class HfEngine:
                                 position_ids=next_pos[:, None], past_key_values=cache,
                                 use_cache=True, logits_to_keep=1).logits[:, -1].float()
             next_pos = next_pos + 1
-        return [Generation(tuple(toks[b]), tuple(lps[b]), done[b][0], done[b][1],
-                           tuple(ents[b])) for b in range(B)]
+        return [Generation(tuple(toks[b]), tuple(lps[b]), done[b][0], done[b][1])
+                for b in range(B)]
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams,
                 gens: list[torch.Generator]) -> torch.Tensor:

@@ -18,6 +18,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from a2tgpo.algo.types import TreePath
+
 if TYPE_CHECKING:  # torch is imported where batches are built: configs stay import-light
     import torch
 
@@ -53,15 +55,6 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class TreePosition:
-    """Where a tree leaf sits: its tree and the node ids of its path, root first."""
-
-    tree: Hashable
-    nodes: tuple[Hashable, ...]
-    entropies: tuple[float, ...]
-
-
-@dataclass(frozen=True)
 class Trajectory:
     """A prompt and its turns, plus what credit assignment needs."""
 
@@ -71,8 +64,7 @@ class Trajectory:
     group_id: Hashable
     golden_answers: tuple[str, ...] = ()
     reward: float | None = None
-    info_gain: tuple[float | None, ...] | None = None
-    tree: TreePosition | None = None
+    tree: TreePath | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,11 +160,10 @@ class TrajectoryBuilder:
 class Batch:
     """Right-padded training tensors of B trajectories.
 
-    input_ids, attention_mask, loss_mask, turn_id, position_ids, rollout_logprobs: (B, L);
-    loss_mask is 1 exactly on sampled tokens; turn_id is the 0-based turn of a sampled token
-    and −1 on prompt, observation and padding; rollout_logprobs holds the engine's logprob of
-    each sampled token (0 elsewhere). turn_mask (B, K): turn k exists. reward (B,) (NaN where
-    unknown), prompt_lengths (B,), group_ids: one label per row.
+    input_ids, attention_mask, loss_mask, turn_id, position_ids: (B, L); loss_mask is 1
+    exactly on sampled tokens; turn_id is the 0-based turn of a sampled token and −1 on prompt,
+    observation and padding. turn_mask (B, K): turn k exists; tool_call (B, K): turn k ended
+    with a tool call. prompt_lengths (B,), group_ids: one label per row.
     """
 
     input_ids: torch.Tensor
@@ -180,14 +171,18 @@ class Batch:
     loss_mask: torch.Tensor
     turn_id: torch.Tensor
     position_ids: torch.Tensor
-    rollout_logprobs: torch.Tensor
     turn_mask: torch.Tensor
-    reward: torch.Tensor
+    tool_call: torch.Tensor
     prompt_lengths: torch.Tensor
     group_ids: list
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def num_turns(self) -> torch.Tensor:
+        """(B,) turns per trajectory, the final one included."""
+        return self.turn_mask.sum(1)
 
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
@@ -203,31 +198,28 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     attention = torch.zeros(B, L, dtype=torch.long)
     loss_mask = torch.zeros(B, L, dtype=torch.long)
     turn_id = torch.full((B, L), -1, dtype=torch.long)
-    logprobs = torch.zeros(B, L, dtype=torch.float32)
     turn_mask = torch.zeros(B, K, dtype=torch.bool)
+    tool_call = torch.zeros(B, K, dtype=torch.bool)
     for b, traj in enumerate(trajectories):
         ids = list(traj.prompt_ids)
-        lp = [0.0] * len(ids)
         mask = [0] * len(ids)
         tid = [-1] * len(ids)
         for k, turn in enumerate(traj.turns):
             ids += turn.action_ids + turn.obs_ids
-            lp += list(turn.action_logprobs) + [0.0] * len(turn.obs_ids)
             mask += [1] * len(turn.action_ids) + [0] * len(turn.obs_ids)
             tid += [k] * len(turn.action_ids) + [-1] * len(turn.obs_ids)
             turn_mask[b, k] = True
+            tool_call[b, k] = turn.stop == "search"
         n = len(ids)
         input_ids[b, :n] = torch.tensor(ids)
         attention[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(mask)
         turn_id[b, :n] = torch.tensor(tid)
-        logprobs[b, :n] = torch.tensor(lp)
         sampled = sum(len(t.action_ids) for t in traj.turns)
         if int(loss_mask[b].sum()) != sampled:
             raise AssertionError(f"{traj.question_id}: loss mask covers {int(loss_mask[b].sum())} "
                                  f"tokens but {sampled} were sampled")
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    rewards = torch.tensor([float("nan") if t.reward is None else t.reward for t in trajectories])
-    return Batch(input_ids, attention, loss_mask, turn_id, position_ids, logprobs, turn_mask,
-                 rewards, torch.tensor([len(t.prompt_ids) for t in trajectories]),
+    return Batch(input_ids, attention, loss_mask, turn_id, position_ids, turn_mask, tool_call,
+                 torch.tensor([len(t.prompt_ids) for t in trajectories]),
                  [t.group_id for t in trajectories])

@@ -37,7 +37,8 @@ from a2tgpo.rollout.agent import (
     rollout_wave,
 )
 from a2tgpo.rollout.engine import Engine
-from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, TreePosition, Turn
+from a2tgpo.algo.types import TreePath
+from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
 
 ROOT = 0
 AEPO_ENTROPY_TOKENS = 20  # AEPO reads the entropy of a step's first <= 20 tokens
@@ -90,18 +91,18 @@ class RolloutTree:
         k = max(n.turn, 0) if sibling else n.turn + 1
         return (n.home or self.builders[0]).branch(k)
 
-    def position(self, b: TrajectoryBuilder) -> TreePosition:
-        return TreePosition(self.id, (ROOT, *b.node_ids),
+    def position(self, b: TrajectoryBuilder) -> TreePath:
+        return TreePath(self.id, (ROOT, *b.node_ids),
                             (0.0, *(self.nodes[i].entropy for i in b.node_ids)))
 
-    def duplicate(self, b: TrajectoryBuilder) -> TreePosition:
+    def duplicate(self, b: TrajectoryBuilder) -> TreePath:
         """A new leaf node copying b's leaf (same parent, turn, entropy): the path of a
         duplicated leaf, which credit assignment must see as a leaf of its own."""
         leaf = self.nodes[b.node_ids[-1]]
         self.nodes[leaf.parent].children += 1
         self.nodes.append(RolloutNode(leaf.parent, leaf.turn, leaf.entropy, None))
         pos = self.position(b)
-        return TreePosition(pos.tree, (*pos.nodes[:-1], len(self.nodes) - 1), pos.entropies)
+        return TreePath(pos.tree, (*pos.nodes[:-1], len(self.nodes) - 1), pos.entropies)
 
 
 def _question_builders(questions: Sequence[Question], tool: SearchTool, cfg: AgentConfig,

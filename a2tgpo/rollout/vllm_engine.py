@@ -50,9 +50,6 @@ the same in the vllm 0.33.0 wheel's source (the GPU path has not been run):
   9 s against 0.1 s on 2 cores).
   The KV cache size on CPU is `kv_cache_space_gb` (vLLM's `kv_cache_memory_bytes`; the older
   `VLLM_CPU_KVCACHE_SPACE` variable sets the same thing).
-
-Per-token entropies are not returned (`Generation.entropies` stays empty): vLLM reports the top-k
-logprobs only, and the full distribution per token would cost a vocabulary-sized transfer.
 """
 
 from __future__ import annotations

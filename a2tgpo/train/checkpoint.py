@@ -380,17 +380,6 @@ class DataOrder:
         self.batches += 1
         return self._permutation(self.epoch)[start:self.position].tolist()
 
-    def steps_remaining(self, total_steps: int) -> int:
-        """Training steps left in a `total_steps`-step run (one batch per step).
-
-        Raises if more batches were served than `total_steps`: the run was resumed with a
-        smaller total, and silently running zero steps would hide that.
-        """
-        if self.batches > total_steps:
-            raise ValueError(f"{self.batches} batches already served, more than total_steps="
-                             f"{total_steps}; was the run resumed with a different config?")
-        return total_steps - self.batches
-
     def state_dict(self) -> dict[str, int]:
         return {"n_items": self.n_items, "epochs": self.epochs, "seed": self.seed,
                 "epoch": self.epoch, "position": self.position, "batches": self.batches}

@@ -60,12 +60,17 @@ class TrainSettings:
     device: str = option("auto", "torch device; auto = cuda when available.")
     backend: Literal["single", "deepspeed"] = option(
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
-    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1, 2 or 3; backend deepspeed).")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1 or 2; backend deepspeed).")
     ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2, 3):
-            raise ValueError("zero_stage must be 1, 2 or 3")
+        if self.zero_stage == 3:
+            # ZeRO-3 shards the parameters: each rank's rollouts and log-prob passes would
+            # need lockstep forwards on every rank
+            raise ValueError("zero_stage 3 is not supported by RL training (rollouts need the "
+                             "full parameters on every rank); use zero_stage 1 or 2")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +101,11 @@ class TrainConfig(TrainSettings):
         if min(s.steps, s.prompts_per_step, s.mini_batch_prompts, s.micro_batch_size,
                s.ppo_epochs) < 1:
             raise ValueError("schedule sizes must be >= 1")
+        style = self.method.answer_style
+        if style != self.rollout.prompt_style:
+            raise ValueError(f"method.reward {self.method.reward!r} scores {style} answers, but "
+                             f"rollout.prompt_style {self.rollout.prompt_style!r} asks for the "
+                             "other format: every reward would be 0")
         buf = self.method.dapo.overlong_buffer
         if buf > self.rollout.max_response_tokens:
             raise ValueError(f"method.dapo.overlong_buffer ({buf}) exceeds "

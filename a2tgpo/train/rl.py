@@ -1,50 +1,564 @@
 """The RL training recipe: one readable loop for every method of config/methods/.
 
-Per step (numbered as in the loop below):
-  1. sample prompts (seeded, resumable data order)
+`train` sets a run up (or resumes it), then calls `train_step` once per step and validates,
+logs and checkpoints on schedule. One step, as `train_step` reads (the papers' verl loop):
+  1. sample prompts: the seeded, resumable data order; each rank takes its share
   2. roll out: chains, Tree-GRPO trees, AT2PO trees or AEPO branching, per the method
   3. rewards (the one reward implementation), DAPO overlong shaping
-  4. DAPO dynamic sampling: drop groups without reward spread, refill (bounded)
-  5. information gain (IGPO family) and old log-probs in one fused forward; reference
-     log-probs when KL is on
-  6. advantages per turn (a2tgpo.algo.turn_advantages), broadcast to tokens by turn id
-  7. ppo_epochs x mini-batches x micro-batches, losses with the mini-batch's global
-     denominators, one optimizer update per mini-batch
-  8. weights to the rollout engine; validation, checkpoint and logging on schedule
-
+  4. DAPO dynamic sampling: drop groups without spread in `dapo.filter_metric`, refill
+  5. old log-probs; with information gain on, the gold answer's log-probs at every probe
+     point from the same forward (IGPO family)
+  6. reference log-probs when the loss has a KL term
+  7. advantages per turn (`a2tgpo.algo.turn_advantage_tensors`) and their clip scales,
+     broadcast to tokens by turn id
+  8. ppo_epochs x mini-batches x micro-batches, losses with the mini-batch's global
+     denominators, one optimizer update per mini-batch (a2tgpo/train/update.py)
+  9. weights to the rollout engine
+ 10. metrics and rollout samples
 Nothing here is method-specific beyond reading the method's settings.
+
+Under `backend: deepspeed` every rank runs all of it: each rank rolls out and scores its share
+of the step's questions, the trajectories are gathered so every rank holds the whole batch in
+the same order, log-prob passes split rows over ranks and gather them back, and each update
+splits its mini-batch's rows over the ranks (a2tgpo/train/distributed.py). Rank 0 alone
+writes the run folder and tracks.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import random
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from a2tgpo.algo import turn_advantages
 from a2tgpo.algo.advantages import dynamic_sampling_keep, overlong_penalty
-from a2tgpo.algo.info_gain import information_gain
-from a2tgpo.algo.losses import entropy_aware_advantage, kl_penalty, policy_loss
-from a2tgpo.algo.masks import aggregate_loss, gather_turns, local_denominators
-from a2tgpo.algo.rewards import score_response
-from a2tgpo.config import dump_config, to_dict
-from a2tgpo.grid import format_value
-from a2tgpo.rollout.agent import Question, SearchTool, rollout_chains
+from a2tgpo.algo.api import TurnInputs, turn_advantage_tensors
+from a2tgpo.algo.info_gain import ig_by_turn, information_gain
+from a2tgpo.algo.masks import gather_turns
+from a2tgpo.algo.methods import MethodConfig
+from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
+from a2tgpo.eval.select import best_step
+from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.retrieval.retriever import build_retriever
+from a2tgpo.rollout.agent import Question, SearchTool
+from a2tgpo.rollout.info_gain import build_probe, gold_logprob_matrix, score_gold_logprobs
+from a2tgpo.rollout.runner import (
+    GREEDY_SEED,
+    load_questions,
+    make_engine,
+    resolve_device,
+    rollout,
+    score,
+)
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
+from a2tgpo.tracking import Tracker
+from a2tgpo.train.checkpoint import (
+    EXIT_PREEMPTED,
+    DataOrder,
+    PreemptionHandler,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from a2tgpo.train.config import TrainConfig
+from a2tgpo.train.distributed import DeepSpeedBackend, SingleBackend, init_distributed
+from a2tgpo.train.update import UpdateBatch, UpdateLog, batched_logprobs, update_policy
 
 log = logging.getLogger(__name__)
 
+ROLLOUTS_FILE = "rollouts.jsonl"
+
 
 # --------------------------------------------------------------------------------------------
-# building blocks
+# the run and the loop
+
+
+@dataclass
+class Run:
+    """One training job: what every step of the recipe reads."""
+
+    cfg: TrainConfig
+    backend: Any  # a2tgpo.train.distributed.Backend
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: torch.nn.Module | None
+    tok: Any
+    engine: Any
+    tool: SearchTool
+    train_qs: list[Question]
+    dev_qs: list[Question]
+    order: DataOrder
+    start: int  # steps already done (a resume starts after them)
+    best: dict = field(default_factory=lambda: {"step": None, "val_em": -1.0})
+    tracker: Any = None
+
+    @property
+    def main(self) -> bool:
+        return self.backend.rank == 0
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) one training job; returns the final summary."""
+    run = start_run(cfg)
+    sched = cfg.schedule
+    first = run.start if cfg.method.train else sched.steps  # ReAct: the starting policy only
+    with run.tracker, PreemptionHandler() as preempt:
+        if run.start == 0:
+            run.tracker.log(validate(run, 0), 0)
+            save(run, 0)
+        bar = tqdm(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
+                   unit="step", initial=first, total=sched.steps, disable=not run.main)
+        for step in bar:
+            done = step + 1
+            metrics, sample = train_step(run, step)
+            if done % sched.eval_every == 0 or done == sched.steps:
+                metrics.update(validate(run, done))
+            run.tracker.log(metrics, done)
+            report_step(run, bar, done, metrics, sample)
+            stop = run.backend.all_reduce_sum(float(preempt.requested)) > 0
+            if done % sched.save_every == 0 or done == sched.steps or stop:
+                save(run, done)
+            if stop:
+                log.warning("preemption requested: saved step %d, exiting", done)
+                run.backend.close()
+                raise SystemExit(EXIT_PREEMPTED)
+        summary = {"steps": sched.steps, "best_step": run.best["step"],
+                   "best_val_em": run.best["val_em"]}
+        run.tracker.summary(summary)
+    run.backend.close()
+    return summary
+
+
+def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
+    """One RL step, the numbered recipe of the module docstring. Returns the step's metrics
+    and its sampled trajectories (rollouts.jsonl records)."""
+    cfg, method = run.cfg, run.cfg.method
+    clock = Clock()
+    seed = cfg.seed * 1_000_003 + step
+    # 1-4. prompts, rollouts, rewards, dynamic sampling (every rank: the whole batch)
+    trajs, sampling = sample_groups(run, seed, clock)
+    batch = collate(trajs, run.tok.pad_token_id)
+    # 5. old log-probs (+ gold-answer log-probs at the probe points: information gain)
+    old_BL, gold_BP, ig_stats = old_logprobs(run, batch, trajs, clock)
+    # 6. reference log-probs
+    ref_BL = reference_logprobs(run, batch, clock)
+    # 7. advantages per turn and their clip scales, broadcast to tokens
+    with clock("advantage"):
+        adv = token_advantages(method, batch, trajs, gold_BP, run.tok)
+    # 8. the updates
+    with clock("update"):
+        update = update_policy(run.backend, run.scheduler,
+                               UpdateBatch(batch, old_BL, adv.adv_BL, ref_BL, adv.clip_BL),
+                               method.loss, cfg.schedule, seed=seed,
+                               norm_length=cfg.rollout.max_response_tokens)
+    # 9. weights to the rollout engine (the hf engine samples from the trained model itself)
+    if cfg.engine == "vllm":
+        run.engine.update_weights(run.backend.hf_state_dict() or {})
+    # 10. metrics and samples
+    metrics = step_metrics(run, trajs, batch, adv, update, sampling, ig_stats, clock)
+    return metrics, rollout_records(run.tok, trajs, adv.adv_BK, batch.num_turns)
+
+
+# --------------------------------------------------------------------------------------------
+# set-up, validation, checkpoints, progress
+
+
+def start_run(cfg: TrainConfig) -> Run:
+    """Model, optimizer, backend, engine, search tool and data order of a job; a run folder
+    with a complete checkpoint is resumed from its newest one."""
+    distributed = cfg.backend == "deepspeed"
+    rank, device = _process(cfg)
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, run_dir / "config.yaml")
+    seed_everything(cfg.seed)
+    tok = load_tokenizer(cfg.backbone)
+    model = load_model(cfg.backbone, device)
+    ref_model = _frozen_copy(model) if cfg.method.loss.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
+                                  betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    warm = max(1, cfg.optim.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm))
+    train_qs = load_questions(cfg.train_file)
+    order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
+    start, best = 0, {"step": None, "val_em": -1.0}
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        # weights (and, single process, the optimizer) before the backend wraps them
+        state = load_checkpoint(ckpt, model=model, optimizer=None if distributed else optimizer,
+                                scheduler=scheduler)
+        start, best = state["step"], state["best"]
+        order.load_state_dict(state["data_order"])
+        log.info("resumed from %s (step %d)", ckpt, start)
+    backend = _make_backend(cfg, model, optimizer)
+    if ckpt is not None and distributed:
+        backend.load_state(ckpt / "backend")
+    run = Run(cfg=cfg, backend=backend, optimizer=optimizer, scheduler=scheduler,
+              ref_model=ref_model, tok=tok, engine=make_engine(cfg, backend.unwrapped, tok),
+              tool=SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok,
+                              cfg.rollout),
+              train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
+              order=order, start=start, best=best)
+    run.tracker = _tracker(cfg) if run.main else _NoTracker()
+    return run
+
+
+def validate(run: Run, step: int) -> dict:
+    """Greedy dev rollouts (each rank its share); updates the best trained step. The metrics go
+    into the step's one metrics.jsonl row."""
+    cfg, backend = run.cfg, run.backend
+    backend.unwrapped.eval()
+    t0 = time.perf_counter()
+    mine = run.dev_qs[backend.rank::backend.world_size]
+    trajs = _gather(backend, score(cfg, run.tok, rollout(cfg, mine, run.engine, run.tool,
+                                                         seed=GREEDY_SEED, greedy=True),
+                                   training=False))
+    em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
+    known = {} if run.best["step"] is None else {run.best["step"]: run.best["val_em"]}
+    if best_step({**known, step: em}, trains=cfg.method.train) == step:
+        run.best.update(step=step, val_em=em)
+    if run.main:
+        log.info("step %d validation: EM %.3f on %d dev questions", step, em, len(trajs))
+    return {"val/em": em,
+            "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
+            "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
+            "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
+            "val/seconds": time.perf_counter() - t0}
+
+
+def save(run: Run, step: int) -> None:
+    """Checkpoint `step` (rank 0 writes; under DeepSpeed every rank adds its optimizer shard to
+    the folder rank 0 is building, before the folder is marked complete)."""
+    backend = run.backend
+    distributed = run.cfg.backend == "deepspeed"
+
+    def backend_state(tmp: Path | None) -> None:
+        where = backend.broadcast_object(str(tmp) if tmp is not None else None)
+        backend.save_state(Path(where) / "backend")
+        backend.barrier()
+
+    if not run.main:
+        backend_state(None)
+        return
+    keep = {run.best["step"]} if run.best["step"] is not None else set()
+    save_checkpoint(Path(run.cfg.run_dir), step, model=backend.unwrapped, tokenizer=run.tok,
+                    optimizer=None if distributed else run.optimizer,
+                    scheduler=run.scheduler, keep_last=run.cfg.schedule.keep_last,
+                    keep_steps=keep,
+                    trainer_state={"step": step, "best": dict(run.best),
+                                   "data_order": run.order.state_dict()},
+                    extra_state=backend_state if distributed else None)
+
+
+def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> None:
+    """Progress bar, one log line per step, and (on validation steps and the first)
+    the step's sampled trajectories in rollouts.jsonl."""
+    sched = run.cfg.schedule
+    bar.set_postfix(reward=f"{metrics['train/reward']:.2f}", em=f"{metrics['train/em']:.2f}")
+    if not run.main:
+        return
+    if done == 1 or done % sched.eval_every == 0 or done == sched.steps:
+        with open(Path(run.cfg.run_dir) / ROLLOUTS_FILE, "a") as f:
+            for t in sample:
+                f.write(json.dumps({"step": done, **t}) + "\n")
+    log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
+             metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
+             metrics["rollout/tool_calls"], metrics["time/step"])
+
+
+# --------------------------------------------------------------------------------------------
+# steps 1-4: prompts, rollouts, rewards, dynamic sampling
+
+
+def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], dict]:
+    """Scored trajectories of the step's prompt groups, in the same order on every rank, and
+    {"gen_batches", "retrieval_calls"}. Without dynamic sampling one generation batch is the
+    step; with it, groups whose `dapo.filter_metric` has no spread are dropped and further
+    batches drawn until `prompts_per_step` groups are kept."""
+    cfg, backend, dapo = run.cfg, run.backend, run.cfg.method.dapo
+    want = cfg.schedule.prompts_per_step
+    n_prompts = want * (dapo.gen_batch_multiplier if dapo.dynamic_sampling else 1)
+    calls_before, retrieval_before = run.tool.calls, run.tool.seconds
+    kept: list[Trajectory] = []
+    gen_batches = 0
+    while True:
+        gen_batches += 1
+        # every rank draws the same questions (same data order), then keeps its share
+        qs = [run.train_qs[i] for i in run.order.next_batch(n_prompts)]
+        with clock("rollout"):
+            trajs = rollout(cfg, qs[backend.rank::backend.world_size], run.engine, run.tool,
+                            seed=seed + 7919 * gen_batches + 104_729 * backend.rank)
+        trajs = _gather(backend, shape_rewards(cfg, score(cfg, run.tok, trajs, training=True)))
+        if not dapo.dynamic_sampling:
+            kept = trajs
+            break
+        keep = dynamic_sampling_keep(metric_B=filter_metric(trajs, dapo.filter_metric),
+                                     group_B=[t.group_id for t in trajs])
+        kept += [t for t, k in zip(trajs, keep.tolist()) if k]
+        groups = list(dict.fromkeys(t.group_id for t in kept))
+        if len(groups) >= want:
+            kept = [t for t in kept if t.group_id in set(groups[:want])]
+            break
+        if gen_batches >= dapo.max_num_gen_batches > 0:
+            raise RuntimeError(
+                f"DAPO dynamic sampling: only {len(groups)} of {want} groups with "
+                f"{dapo.filter_metric} spread after {gen_batches} generation batches "
+                "(dapo.max_num_gen_batches); the policy's rewards are nearly constant")
+    # retrieval happens inside the rollout: reported on its own, and taken out of "rollout"
+    clock.times["retrieval"] = run.tool.seconds - retrieval_before
+    clock.times["rollout"] -= clock.times["retrieval"]
+    calls = int(backend.all_reduce_sum(float(run.tool.calls - calls_before)))
+    return kept, {"gen_batches": gen_batches, "retrieval_calls": calls}
+
+
+def shape_rewards(cfg: TrainConfig, trajs: list[Trajectory]) -> list[Trajectory]:
+    """DAPO's overlong shaping (when on): the length penalty added to each reward; the reward
+    before it stays in extra["score"]."""
+    dapo = cfg.method.dapo
+    if not dapo.overlong_buffer:
+        return trajs
+    pen = overlong_penalty(length_B=torch.tensor([t.response_length() for t in trajs]),
+                           max_length=cfg.rollout.max_response_tokens,
+                           buffer_length=dapo.overlong_buffer,
+                           penalty_factor=dapo.overlong_factor)
+    return [replace(t, reward=t.reward + float(p), extra={**t.extra, "score": t.reward})
+            for t, p in zip(trajs, pen)]
+
+
+def filter_metric(trajs: list[Trajectory], metric: str) -> torch.Tensor:
+    """The per-trajectory value whose spread within a group keeps the group (verl's DAPO
+    `filter_groups.metric`): acc = exact match; score = the reward before overlong shaping;
+    seq_reward = the reward the advantages use; seq_final_reward = the same here (this
+    project puts no KL penalty into the reward). -> (B,)"""
+    if metric == "acc":
+        values = [t.extra["em"] for t in trajs]
+    elif metric == "score":
+        values = [t.extra.get("score", t.reward) for t in trajs]
+    elif metric in ("seq_reward", "seq_final_reward"):
+        values = [t.reward for t in trajs]
+    else:
+        raise ValueError(f"unknown dapo.filter_metric {metric!r}")
+    return torch.tensor(values, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# steps 5-7: log-probs, information gain, advantages
+
+
+def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """log π_old of every token, (B, L), and with information gain on, the gold answer's mean
+    log-prob at each trajectory's probe points (B, P) (NaN past its last point) from the same
+    forward, plus the IG pass's token counts. Each rank scores rows rank::world; the rows are
+    gathered back into batch order."""
+    cfg, backend = run.cfg, run.backend
+    B, L = batch.input_ids.shape
+    mine = list(range(backend.rank, B, backend.world_size))
+    old_BL = torch.zeros(B, L)
+    if not cfg.method.info_gain.enabled:
+        with clock("old_logprob"):
+            old_BL[mine] = batched_logprobs(backend.unwrapped, batch, mine,
+                                            cfg.schedule.micro_batch_size, backend.device)
+            return _gather_rows(backend, old_BL, mine), None, {}
+    with clock("info_gain+old_logprob"):
+        values, lps, stats = score_gold_logprobs(
+            backend.unwrapped, [(trajs[b].token_ids(), trajs[b].probe_points()) for b in mine],
+            [build_probe(run.tok, trajs[b].golden_answers[0]) for b in mine], method="kv",
+            batch_size=cfg.ig_batch_size, token_logprobs=True)
+        gold: list = [None] * B
+        ig_stats: dict[str, float] = defaultdict(float)
+        for rows, part_values, part_lps, part_stats in backend.all_gather_object(
+                (mine, values, lps, stats)):
+            for b, v, lp in zip(rows, part_values, part_lps):
+                gold[b] = v
+                old_BL[b, 1: 1 + len(lp)] = torch.tensor(lp)
+            for k, v in part_stats.items():
+                ig_stats[k] += v
+    return old_BL, gold_logprob_matrix(gold), ig_stats
+
+
+def reference_logprobs(run: Run, batch: Batch, clock: Clock) -> torch.Tensor | None:
+    """log π_ref of every token (B, L) for methods with a KL term, else None."""
+    if run.ref_model is None:
+        return None
+    backend = run.backend
+    B, L = batch.input_ids.shape
+    mine = list(range(backend.rank, B, backend.world_size))
+    with clock("ref_logprob"):
+        ref_BL = torch.zeros(B, L)
+        ref_BL[mine] = batched_logprobs(run.ref_model, batch, mine,
+                                        run.cfg.schedule.micro_batch_size, backend.device)
+        return _gather_rows(backend, ref_BL, mine)
+
+
+@dataclass(frozen=True)
+class TokenAdvantages:
+    """Step 7's result. adv_BK, clip_BK (B, K) float64: per turn (clip_BK None without
+    adaptive clipping); ig_BK, ig_mask_BK (B, K): the IG each process turn got (None without
+    IG); adv_BL, clip_BL (B, L) float32: the same per token, as the loss receives them."""
+
+    adv_BK: torch.Tensor
+    clip_BK: torch.Tensor | None
+    ig_BK: torch.Tensor | None
+    ig_mask_BK: torch.Tensor | None
+    adv_BL: torch.Tensor
+    clip_BL: torch.Tensor | None
+
+
+def token_advantages(method: MethodConfig, batch: Batch, trajs: list[Trajectory],
+                     gold_BP: torch.Tensor | None, tok) -> TokenAdvantages:
+    """Information gain per turn from the gold log-probs (probe point t: after tool call t),
+    the method's per-turn advantages and clip scales, and both on every sampled token of their
+    turn. `tok` decodes GiGPO's anchor observations (unused by other estimators)."""
+    ig_BK = ig_mask_BK = None
+    if gold_BP is not None:
+        ig_BC, ig_mask_BC = information_gain(
+            gold_logprob_BK1=gold_BP, num_tool_calls_B=batch.tool_call.sum(1),
+            value=method.info_gain.value, first_turn=method.info_gain.first_turn)
+        ig_BK, ig_mask_BK = ig_by_turn(ig_BC=ig_BC, ig_mask_BC=ig_mask_BC,
+                                       tool_call_BK=batch.tool_call, num_turns_B=batch.num_turns)
+    estimator = method.advantage.estimator
+    inputs = TurnInputs(
+        reward_B=torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
+        group_B=batch.group_ids, num_turns_B=batch.num_turns, ig_BK=ig_BK,
+        ig_mask_BK=ig_mask_BK,
+        # GiGPO anchors: the question, then each turn's latest observation
+        anchors=[[t.question_id] + [tok.decode(list(x.obs_ids)) for x in t.turns[:-1]]
+                 for t in trajs] if estimator == "gigpo" else None,
+        trees=[t.tree for t in trajs] if all(t.tree is not None for t in trajs) else None)
+    adv_BK, clip_BK = turn_advantage_tensors(method, inputs)
+    return TokenAdvantages(
+        adv_BK=adv_BK, clip_BK=clip_BK, ig_BK=ig_BK, ig_mask_BK=ig_mask_BK,
+        adv_BL=gather_turns(adv_BK.float(), batch.turn_id),
+        clip_BL=None if clip_BK is None else gather_turns(clip_BK.float(), batch.turn_id,
+                                                          fill=1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# step 10: metrics
+
+
+def step_metrics(run: Run, trajs: list[Trajectory], batch: Batch, adv: TokenAdvantages,
+                 update: UpdateLog, sampling: dict, ig_stats: dict, clock: Clock) -> dict:
+    """One metrics.jsonl row: rewards, rollout shape, losses, advantages/IG by turn, seconds
+    per stage and throughput."""
+    metrics = {**rollout_metrics(trajs, sampling), **update.metrics(),
+               **turn_metrics(adv, batch.num_turns),
+               "optim/lr": float(run.scheduler.get_last_lr()[0]),
+               "time/step": clock.elapsed()}
+    if ig_stats:
+        metrics["ig/extra_token_ratio"] = (ig_stats["ig_tokens"]
+                                           / max(1, ig_stats["trajectory_tokens"]))
+    metrics.update({f"time/{k}": v for k, v in clock.times.items()})
+    sampled = sum(len(x.action_ids) for t in trajs for x in t.turns)
+    metrics["throughput/rollout_tokens_per_s"] = sampled / max(
+        1e-9, clock.times["rollout"] + clock.times["retrieval"])
+    metrics["throughput/update_tokens_per_s"] = float(batch.attention_mask.sum()) \
+        * run.cfg.schedule.ppo_epochs / max(1e-9, clock.times["update"])
+    return metrics
+
+
+def rollout_metrics(trajs: list[Trajectory], sampling: dict) -> dict:
+    """Rewards, EM, format failures, tool calls, lengths, stops and group spread."""
+    calls = [t.num_tool_calls for t in trajs]
+    groups: dict = defaultdict(set)
+    for t in trajs:
+        groups[t.group_id].add(t.reward)
+    out = {
+        "train/reward": float(np.mean([t.reward for t in trajs])),
+        "train/em": float(np.mean([t.extra["em"] for t in trajs])),
+        "train/format_fail": float(np.mean([not t.extra["format_ok"] for t in trajs])),
+        "rollout/trajectories": len(trajs),
+        "rollout/tool_calls": float(np.mean(calls)),
+        "rollout/response_tokens": float(np.mean([t.response_length() for t in trajs])),
+        "rollout/obs_tokens": float(np.mean([sum(len(x.obs_ids) for x in t.turns)
+                                            for t in trajs])),
+        "rollout/truncated": float(np.mean([t.turns[-1].stop in ("length", "max_tokens")
+                                           for t in trajs])),
+        "rollout/zero_variance_groups": sum(len(r) <= 1 for r in groups.values())
+        / max(1, len(groups)),
+        "rollout/gen_batches": sampling["gen_batches"],
+        "rollout/retrieval_calls": sampling["retrieval_calls"],
+        "rollout/entropy": float(np.mean([x.entropy for t in trajs for x in t.turns])),
+    }
+    for c in range(max(calls) + 1):
+        out[f"rollout/tool_calls_dist/{c}"] = calls.count(c) / len(calls)
+    for stop, n in Counter(t.turns[-1].stop for t in trajs).items():
+        out[f"rollout/stop/{stop}"] = n / len(trajs)
+    return out
+
+
+def turn_metrics(adv: TokenAdvantages, num_turns_B: torch.Tensor) -> dict:
+    """Advantage (mean/std/min/max) and IG (mean/std) by turn position, over the trajectories
+    that have that turn (IG: that have an IG there)."""
+    out = {}
+    for k in range(adv.adv_BK.shape[1]):
+        col = adv.adv_BK[num_turns_B > k, k].numpy()
+        if len(col):
+            out.update({f"adv/turn{k}/mean": float(np.mean(col)),
+                        f"adv/turn{k}/std": float(np.std(col)),
+                        f"adv/turn{k}/min": float(np.min(col)),
+                        f"adv/turn{k}/max": float(np.max(col))})
+        if adv.ig_BK is not None:
+            ig = adv.ig_BK[adv.ig_mask_BK[:, k], k].double().numpy()
+            if len(ig):
+                out[f"ig/turn{k}/mean"] = float(np.mean(ig))
+                out[f"ig/turn{k}/std"] = float(np.std(ig))
+    return out
+
+
+def rollout_records(tok, trajs: list[Trajectory], adv_BK: torch.Tensor,
+                    num_turns_B: torch.Tensor) -> list[dict]:
+    """rollouts.jsonl rows: per trajectory its group, index in the group, reward, per-turn
+    advantages and turns (text, stop, query)."""
+    seen: Counter = Counter()
+    out = []
+    for b, t in enumerate(trajs):
+        turns = [{"turn": k, "stop": x.stop, "query": x.query,
+                  "text": tok.decode(list(x.action_ids), skip_special_tokens=True)}
+                 for k, x in enumerate(t.turns)]
+        out.append({"group": str(t.group_id), "index": seen[t.group_id],
+                    "reward": float(t.reward),
+                    "advantages": adv_BK[b, : int(num_turns_B[b])].tolist(), "turns": turns})
+        seen[t.group_id] += 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+class Clock:
+    """Seconds per named stage of a step (a stage may run several times and adds up)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[stage] += time.perf_counter() - t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def seed_everything(seed: int) -> None:
@@ -53,310 +567,54 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_questions(path: str | Path, limit: int = 0) -> list[Question]:
-    from a2tgpo.data.qa import load_split
-
-    rows = load_split(path)
-    if limit:
-        rows = rows[:limit]
-    return [Question(r["id"], r["question"], tuple(r["golden_answers"])) for r in rows]
-
-
-def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
-                   device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows.
-
-    Shapes: -> logp_BT (b, L) and entropy_BT (b, L) (entropy of the distribution that
-    predicted token t), aligned with batch.input_ids.
-    """
-    ids = batch.input_ids[rows].to(device)
-    attn = batch.attention_mask[rows].to(device)
-    pos = batch.position_ids[rows].to(device)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits.float()
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (b, L-1, V)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-    ent = None
-    if with_entropy:
-        e = -(logp_all.exp() * logp_all).sum(-1)
-        ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
-    return lp, ent
-
-
-def score(cfg: TrainConfig, tok, trajs: list[Trajectory], *, training: bool
-          ) -> list[Trajectory]:
-    """Rewards and metrics for each trajectory (reward style of the method)."""
-    from dataclasses import replace
-
-    style = "search_r1" if cfg.method.reward.startswith("search_r1") else "a2tgpo"
-    out = []
-    for t in trajs:
-        s = score_response(tok.decode(t.response_ids(), skip_special_tokens=True), list(t.golden_answers), style,
-                           training=training)
-        reward = s.reward
-        if cfg.method.reward == "search_r1" and training:
-            reward = s.em  # plain EM, no format reward
-        out.append(replace(t, reward=reward, extra={**t.extra, "em": s.em, "f1": s.f1,
-                                                   "format_ok": s.format_ok}))
-    return out
-
-
-def rollout(cfg: TrainConfig, questions: list[Question], engine, tool: SearchTool, *,
-            seed: int, greedy: bool = False) -> list[Trajectory]:
-    """The method's rollout shape over `questions` (greedy validation is always chains)."""
-    from a2tgpo.model.backbone import chat_template_kwargs
-
-    shape = cfg.method.rollout
-    chat = chat_template_kwargs(cfg.backbone)
-    if greedy or shape.shape == "chains":
-        n = 1 if greedy else shape.n
-        return rollout_chains(questions, n, engine, tool, cfg.rollout, seed=seed, greedy=greedy,
-                              chat_kwargs=chat)
-    from a2tgpo.rollout import trees
-
-    fn = {"tree_random": trees.rollout_tree_grpo, "tree_entropy": trees.rollout_at2po,
-          "aepo": trees.rollout_aepo}[shape.shape]
-    return fn(questions, engine, tool, cfg.rollout, shape, seed=seed, chat_kwargs=chat)
-
-
-def information_gains(cfg: TrainConfig, model, tok, trajs: list[Trajectory], device
-                      ) -> tuple[list[list[float | None]], list[list[float]], dict]:
-    """Per-trajectory IG per turn (None where absent) and the fused old-logprobs."""
-    from a2tgpo.rollout.info_gain import build_probe, gold_logprob_matrix, score_gold_logprobs
-
-    probes = [build_probe(tok, t.golden_answers[0]) for t in trajs]
-    values, lps, stats = score_gold_logprobs(
-        model, [(t.token_ids(), t.probe_points()) for t in trajs], probes, method="kv",
-        batch_size=cfg.ig_batch_size, token_logprobs=True)
-    ig, mask = information_gain(
-        gold_logprob_BK1=gold_logprob_matrix(values),
-        num_tool_calls_B=torch.tensor([t.num_tool_calls for t in trajs]),
-        value=cfg.method.info_gain.value, first_turn=cfg.method.info_gain.first_turn)
-    per_turn = []
-    for b, t in enumerate(trajs):
-        igs, c = [], 0  # IG of the c-th tool call goes to that turn; other turns get none
-        for turn in t.turns[:-1]:
-            if turn.stop == "search":
-                igs.append(float(ig[b, c]) if bool(mask[b, c]) else None)
-                c += 1
-            else:
-                igs.append(None)
-        per_turn.append(igs)
-    return per_turn, lps, stats
-
-
-def advantage_inputs(tok, trajs: list[Trajectory], igs) -> list[dict]:
-    """The framework-agnostic dicts `turn_advantages` takes."""
-    out = []
-    for b, t in enumerate(trajs):
-        d = {"group": t.group_id, "reward": float(t.reward), "num_turns": len(t.turns)}
-        if igs is not None:
-            d["info_gain"] = igs[b]
-        # GiGPO anchors: the question, then each turn's latest observation
-        d["anchors"] = [t.question_id] + [tok.decode(list(turn.obs_ids))
-                                          for turn in t.turns[:-1]]
-        if t.tree is not None:
-            d.update(tree=t.tree.tree, nodes=list(t.tree.nodes),
-                     entropies=list(t.tree.entropies))
-        out.append(d)
-    return out
-
-
-def per_turn_tensor(values: list[list[float]], K: int, fill: float) -> torch.Tensor:
-    out = torch.full((len(values), K), fill, dtype=torch.float32)
-    for b, v in enumerate(values):
-        out[b, : len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# the loop
-
-
-def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) one training job; returns the final summary.
-
-    Under `backend: deepspeed` every rank runs this function (started by the `deepspeed`
-    launcher or srun): each rank rolls out and scores its share of the step's questions, the
-    trajectories are gathered so every rank holds the whole batch in the same order, and each
-    update splits the mini-batch's rows over the ranks with the mini-batch's global counts
-    (see a2tgpo/train/distributed.py). Rank 0 alone writes the run folder and tracks.
-    """
-    from a2tgpo.model.backbone import load_model, load_tokenizer
-    from a2tgpo.retrieval.retriever import build_retriever
-    from a2tgpo.tracking import Tracker
-    from a2tgpo.train.checkpoint import (
-        EXIT_PREEMPTED,
-        DataOrder,
-        PreemptionHandler,
-        latest_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-    )
-
-    run_dir = Path(cfg.run_dir)
-    distributed = cfg.backend == "deepspeed"
-    if distributed:
-        from a2tgpo.train.distributed import init_distributed
-
+def _process(cfg: TrainConfig) -> tuple[int, str]:
+    """(rank, torch device) of this process; joins the process group under DeepSpeed."""
+    if cfg.backend == "deepspeed":
         info = init_distributed()
-        rank, device = info.rank, str(info.device)
-        if cfg.zero_stage == 3:
-            raise ValueError(
-                f"{run_dir / 'config.yaml'}: zero_stage 3 is not supported by the RL loop: ZeRO-3 "
-                "shards the parameters, so each rank's rollouts and log-prob passes would need "
-                "lockstep forwards on every rank; use zero_stage 1 or 2")
-    else:
-        rank = 0
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available()
-                                                          else "cpu")
-    main = rank == 0
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_config(cfg, run_dir / "config.yaml")
-    seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.backbone)
-    model = load_model(cfg.backbone, device)
-    method, sched = cfg.method, cfg.schedule
-    ref_model = None
-    if method.loss.kl_coef > 0:
-        ref_model = copy.deepcopy(model).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                  betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    warm = max(1, cfg.optim.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm))
-    train_qs = load_questions(cfg.train_file)
-    dev_qs = load_questions(cfg.dev_file, sched.eval_questions)
-    gen_mult = method.dapo.gen_batch_multiplier if method.dapo.dynamic_sampling else 1
-    epochs = math.ceil(sched.steps * sched.prompts_per_step * gen_mult
-                       * max(1, method.dapo.max_num_gen_batches if gen_mult > 1 else 1)
-                       / max(1, len(train_qs))) + 1
-    order = DataOrder(len(train_qs), seed=cfg.seed, epochs=epochs)
-    retriever = build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
-    tool = SearchTool(retriever, tok, cfg.rollout)
-
-    start, best = 0, {"step": None, "val_em": -1.0}
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        # weights (and, single process, the optimizer) before the backend wraps them
-        state = load_checkpoint(ckpt, model=model,
-                                optimizer=None if distributed else optimizer,
-                                scheduler=scheduler)
-        start, best = state["step"], state["best"]
-        order.load_state_dict(state["data_order"])
-        log.info("resumed from %s (step %d)", ckpt, start)
-    backend = _make_backend(cfg, model, optimizer)
-    if ckpt is not None and distributed:
-        backend.load_state(ckpt / "backend")
-    engine = make_engine(cfg, backend.unwrapped, tok)
-
-    tags = {"method": method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
-            "beta": format_value(method.advantage.beta),
-            "gamma": format_value(method.advantage.gamma),
-            "cell": cfg.cell, "stage": "train"}
-    if main:
-        tracker = Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or method.id,
-                          tags=tags, params=_flat(to_dict(cfg)),
-                          config_file=run_dir / "config.yaml", results_dir=cfg.results_dir)
-    else:
-        tracker = _NoTracker()
-    summary: dict = {}
-    with tracker, PreemptionHandler() as preempt:
-
-        def validate(step: int) -> dict:
-            """Greedy dev rollouts; the metrics go into the step's one metrics.jsonl row."""
-            backend.unwrapped.eval()
-            t0 = time.perf_counter()
-            mine = dev_qs[backend.rank::backend.world_size]
-            trajs = score(cfg, tok, rollout(cfg, mine, engine, tool, seed=VALIDATION_SEED,
-                                            greedy=True), training=False)
-            trajs = _gather(backend, trajs)
-            em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
-            metrics = {"val/em": em,
-                       "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
-                       "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
-                       "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
-                       "val/seconds": time.perf_counter() - t0}
-            # the best trained checkpoint (selection never reports step 0 of a trained
-            # method), kept from pruning
-            if em > best["val_em"] and (step > 0 or not method.train):
-                best.update(step=step, val_em=em)
-            if main:
-                log.info("step %d validation: EM %.3f on %d dev questions", step, em,
-                         len(trajs))
-            return metrics
-
-        def checkpoint(step: int) -> None:
-            def backend_state(tmp: Path | None) -> None:
-                # every rank writes its optimizer shard into the directory rank 0 is building
-                where = backend.broadcast_object(str(tmp) if tmp is not None else None)
-                backend.save_state(Path(where) / "backend")
-                backend.barrier()
-
-            if not main:
-                backend_state(None)
-                return
-            keep = {best["step"]} if best["step"] is not None else set()
-            save_checkpoint(run_dir, step, model=backend.unwrapped, tokenizer=tok,
-                            optimizer=None if distributed else optimizer,
-                            scheduler=scheduler, keep_last=sched.keep_last, keep_steps=keep,
-                            trainer_state={"step": step, "best": dict(best),
-                                           "data_order": order.state_dict()},
-                            extra_state=backend_state if distributed else None)
-
-        if start == 0:
-            tracker.log(validate(0), 0)
-            checkpoint(0)
-        if not method.train:  # ReAct: evaluation of the starting policy only
-            start = sched.steps
-        from tqdm import tqdm
-
-        bar = tqdm(range(start, sched.steps), desc=f"{method.id} seed {cfg.seed}", unit="step",
-                   initial=start, total=sched.steps, disable=not main)
-        for step in bar:
-            metrics, sample = _train_step(cfg, step, backend, ref_model, tok, scheduler, engine,
-                                          tool, train_qs, order)
-            done = step + 1
-            if done % sched.eval_every == 0 or done == sched.steps:
-                metrics.update(validate(done))
-            tracker.log(metrics, done)
-            if main and (step == 0 or done % sched.eval_every == 0 or done == sched.steps):
-                _write_rollouts(run_dir / ROLLOUTS_FILE, done, sample)
-            bar.set_postfix(reward=f"{metrics['train/reward']:.2f}",
-                            em=f"{metrics['train/em']:.2f}")
-            if main:
-                log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
-                         metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
-                         metrics["rollout/tool_calls"], metrics["time/step"])
-            stop = backend.all_reduce_sum(float(preempt.requested)) > 0
-            if done % sched.save_every == 0 or done == sched.steps or stop:
-                checkpoint(done)
-            if stop:
-                log.warning("preemption requested: saved step %d, exiting", done)
-                backend.close()
-                raise SystemExit(EXIT_PREEMPTED)
-        summary = {"steps": sched.steps, "best_step": best["step"], "best_val_em": best["val_em"]}
-        tracker.summary(summary)
-    backend.close()
-    return summary
+        return info.rank, str(info.device)
+    return 0, resolve_device(cfg.device)
 
 
-ROLLOUTS_FILE = "rollouts.jsonl"
-# the seed of greedy validation and evaluation rollouts (greedy decoding draws nothing from it;
-# one constant keeps validation and test evaluation the same computation)
-VALIDATION_SEED = 10_000_019
+def _epochs(cfg: TrainConfig, n_questions: int) -> int:
+    """Epochs of the data order: enough for every step's generation batches, plus one."""
+    dapo, sched = cfg.method.dapo, cfg.schedule
+    per_step = sched.prompts_per_step
+    if dapo.dynamic_sampling:
+        per_step *= dapo.gen_batch_multiplier * max(1, dapo.max_num_gen_batches
+                                                    if dapo.gen_batch_multiplier > 1 else 1)
+    return math.ceil(sched.steps * per_step / max(1, n_questions)) + 1
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _make_backend(cfg: TrainConfig, model, optimizer):
+    if cfg.backend == "single":
+        return SingleBackend(model, optimizer, cfg.optim.grad_clip)
+    return DeepSpeedBackend(model, optimizer, zero_stage=cfg.zero_stage,
+                            grad_clip=cfg.optim.grad_clip,
+                            micro_batch_size=cfg.schedule.micro_batch_size)
+
+
+def _tracker(cfg: TrainConfig) -> Tracker:
+    run_dir = Path(cfg.run_dir)
+    a = cfg.method.advantage
+    tags = {"method": cfg.method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
+            "beta": format_value(a.beta), "gamma": format_value(a.gamma), "cell": cfg.cell,
+            "stage": "train"}
+    return Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or cfg.method.id,
+                   tags=tags, params=cfg, config_file=run_dir / "config.yaml",
+                   results_dir=cfg.results_dir)
 
 
 def _write_config(cfg: TrainConfig, path: Path) -> None:
     """The resolved config beside the results; left untouched when it already says the same
     (the DAG's cell config is this file, and rewriting it would look like a new input)."""
-    from a2tgpo.config import dump_yaml
-
-    text = dump_yaml(to_dict(cfg))
-    if not path.exists() or path.read_text() != text:
+    if not path.exists() or path.read_text() != dump_yaml(to_dict(cfg)):
         dump_config(cfg, path)
 
 
@@ -376,43 +634,9 @@ class _NoTracker:
         pass
 
 
-def _make_backend(cfg: TrainConfig, model, optimizer):
-    from a2tgpo.train.distributed import DeepSpeedBackend, SingleBackend
-
-    if cfg.backend == "single":
-        return SingleBackend(model, optimizer, cfg.optim.grad_clip)
-    return DeepSpeedBackend(model, optimizer, zero_stage=cfg.zero_stage,
-                            grad_clip=cfg.optim.grad_clip,
-                            micro_batch_size=cfg.schedule.micro_batch_size)
-
-
-def _write_rollouts(path: Path, step: int, trajs: list[dict]) -> None:
-    """Append one step's sampled trajectories (turn texts and queries) for the similarity
-    and tool-call plots; one JSON line per trajectory."""
-    import json
-
-    with open(path, "a") as f:
-        for t in trajs:
-            f.write(json.dumps({"step": step, **t}) + "\n")
-
-
-def make_engine(cfg: TrainConfig, model, tok):
-    if cfg.engine == "hf":
-        from a2tgpo.rollout.hf_engine import HfEngine
-
-        return HfEngine(model, tok)
-    from a2tgpo.rollout.vllm_engine import VllmEngine
-
-    return VllmEngine(cfg.backbone.path, max_model_len=cfg.backbone.max_model_len,
-                      seed=cfg.seed)
-
-
-def _batched_logprobs(model, batch: Batch, rows: list[int], size: int, device) -> torch.Tensor:
-    """token_logprobs of `rows` in micro-batches of `size`. -> (len(rows), L)"""
-    if not rows:
-        return torch.zeros(0, batch.input_ids.shape[1])
-    return torch.cat([token_logprobs(model, batch, rows[s: s + size], device=device)[0].cpu()
-                      for s in range(0, len(rows), size)])
+def _gather(backend, items: list) -> list:
+    """Concatenate every rank's list, in rank order (the same list on every rank)."""
+    return [x for part in backend.all_gather_object(items) for x in part]
 
 
 def _gather_rows(backend, x: torch.Tensor, mine: list[int]) -> torch.Tensor:
@@ -423,284 +647,3 @@ def _gather_rows(backend, x: torch.Tensor, mine: list[int]) -> torch.Tensor:
     for rows, vals in backend.all_gather_object((mine, x[mine])):
         out[rows] = vals
     return out
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _gather(backend, items: list) -> list:
-    """Concatenate every rank's list, in rank order (the same list on every rank)."""
-    return [x for part in backend.all_gather_object(items) for x in part]
-
-
-def _train_step(cfg, step, backend, ref_model, tok, scheduler, engine, tool, train_qs,
-                order) -> tuple[dict, list[dict]]:
-    method, sched = cfg.method, cfg.schedule
-    model, device = backend.unwrapped, backend.device
-    rank, world = backend.rank, backend.world_size
-    timings: dict[str, float] = defaultdict(float)
-    tic = time.perf_counter()
-    seed = cfg.seed * 1_000_003 + step
-
-    # 1-4. prompts, rollouts (each rank its share of the questions), rewards, dynamic sampling
-    model.eval()
-    kept: list[Trajectory] = []
-    gen_batches = 0
-    want = sched.prompts_per_step
-    calls_before, retrieval_before = tool.calls, tool.seconds
-    while True:
-        gen_batches += 1
-        n_prompts = want * (method.dapo.gen_batch_multiplier
-                            if method.dapo.dynamic_sampling else 1)
-        # every rank draws the same questions (same data order), then keeps its share
-        qs = [train_qs[i] for i in order.next_batch(n_prompts)][rank::world]
-        t0 = time.perf_counter()
-        trajs = rollout(cfg, qs, engine, tool, seed=seed + 7919 * gen_batches + 104_729 * rank)
-        timings["rollout"] += time.perf_counter() - t0
-        trajs = score(cfg, tok, trajs, training=True)
-        if method.dapo.overlong_buffer:
-            pen = overlong_penalty(
-                length_B=torch.tensor([t.response_length() for t in trajs]),
-                max_length=cfg.rollout.max_response_tokens,
-                buffer_length=method.dapo.overlong_buffer,
-                penalty_factor=method.dapo.overlong_factor)
-            from dataclasses import replace
-
-            trajs = [replace(t, reward=t.reward + float(p)) for t, p in zip(trajs, pen)]
-        trajs = _gather(backend, trajs)
-        if not method.dapo.dynamic_sampling:
-            kept = trajs
-            break
-        keep = dynamic_sampling_keep(metric_B=torch.tensor([t.reward for t in trajs]),
-                                     group_B=[t.group_id for t in trajs])
-        kept += [t for t, k in zip(trajs, keep.tolist()) if k]
-        if len({t.group_id for t in kept}) >= want:
-            groups = list(dict.fromkeys(t.group_id for t in kept))[:want]
-            kept = [t for t in kept if t.group_id in set(groups)]
-            break
-        if gen_batches >= method.dapo.max_num_gen_batches > 0:
-            raise RuntimeError(
-                f"DAPO dynamic sampling: only {len({t.group_id for t in kept})} of {want} "
-                f"groups with reward spread after {gen_batches} generation batches "
-                "(dapo.max_num_gen_batches); the policy's rewards are nearly constant")
-    trajs = kept
-    retrieval_calls = int(backend.all_reduce_sum(float(tool.calls - calls_before)))
-    # retrieval happens inside the rollout: reported on its own, and taken out of "rollout"
-    timings["retrieval"] = tool.seconds - retrieval_before
-    timings["rollout"] -= timings["retrieval"]
-
-    # 5. information gain + old log-probs (one fused forward), reference log-probs: each rank
-    # scores rows rank::world, then the rows are gathered back into batch order
-    batch = collate(trajs, tok.pad_token_id)
-    B, L = batch.input_ids.shape
-    mine = list(range(rank, B, world))
-    igs = None
-    t0 = time.perf_counter()
-    ig_stats = {}
-    old = torch.zeros(B, L)
-    if method.info_gain.enabled:
-        my_igs, fused, my_stats = information_gains(cfg, model, tok, [trajs[b] for b in mine],
-                                                    device)
-        igs = [None] * B
-        parts = backend.all_gather_object((mine, my_igs, fused, my_stats))
-        ig_stats = defaultdict(float)
-        for rows, part_igs, part_lps, part_stats in parts:
-            for b, ig_b, lp in zip(rows, part_igs, part_lps):
-                igs[b] = ig_b
-                old[b, 1: 1 + len(lp)] = torch.tensor(lp)
-            for k, v in part_stats.items():
-                ig_stats[k] += v
-        timings["info_gain+old_logprob"] = time.perf_counter() - t0
-    else:
-        with torch.no_grad():
-            old[mine] = _batched_logprobs(model, batch, mine, sched.micro_batch_size, device)
-        old = _gather_rows(backend, old, mine)
-        timings["old_logprob"] = time.perf_counter() - t0
-    ref = None
-    if ref_model is not None:
-        t0 = time.perf_counter()
-        ref = torch.zeros(B, L)
-        with torch.no_grad():
-            ref[mine] = _batched_logprobs(ref_model, batch, mine, sched.micro_batch_size,
-                                          device)
-        ref = _gather_rows(backend, ref, mine)
-        timings["ref_logprob"] = time.perf_counter() - t0
-
-    # 6. advantages per turn -> tokens (every rank, on the whole batch: same result) ---------
-    t0 = time.perf_counter()
-    K = batch.turn_mask.shape[1]
-    per_turn = turn_advantages(method, advantage_inputs(tok, trajs, igs))
-    adv_BK = per_turn_tensor([p.advantages for p in per_turn], K, 0.0)
-    adv_BT = gather_turns(adv_BK, batch.turn_id)
-    clip_BT = None
-    if method.loss.adaptive_clip and per_turn and per_turn[0].clip_scales is not None:
-        clip_BK = per_turn_tensor([p.clip_scales for p in per_turn], K, 1.0)
-        clip_BT = gather_turns(clip_BK, batch.turn_id, fill=1.0)
-    timings["advantage"] = time.perf_counter() - t0
-
-    # 7. updates: ppo_epochs x mini-batches (by prompt) x micro-batches. Each rank takes rows
-    # rank::world of a mini-batch; the counts are the whole mini-batch's, and dp_size = world
-    # makes the average over ranks the unsplit loss (masks.aggregate_loss)
-    backend.unwrapped.train()
-    t0 = time.perf_counter()
-    groups = list(dict.fromkeys(batch.group_ids))
-    loss_log: dict[str, list[float]] = defaultdict(list)
-    clip_by_turn: dict[int, list[float]] = defaultdict(list)
-    grad_norms = []
-    rng = random.Random(seed)
-    need_ent = method.loss.entropy_coef > 0 or method.loss.entropy_adv_alpha > 0
-    norm_length = cfg.rollout.max_response_tokens
-    for _ in range(sched.ppo_epochs):
-        order_groups = groups[:]
-        rng.shuffle(order_groups)
-        for m in range(0, len(order_groups), sched.mini_batch_prompts):
-            chosen = set(order_groups[m: m + sched.mini_batch_prompts])
-            rows = [b for b in range(B) if batch.group_ids[b] in chosen]
-            tokens, seqs = local_denominators(batch.loss_mask[rows])
-            my_rows = rows[rank::world]
-            # every rank makes the same number of forward/backward calls (ZeRO collectives);
-            # a rank short of rows runs a micro-batch whose loss mask is all zero
-            n_micro = math.ceil(math.ceil(len(rows) / world) / sched.micro_batch_size)
-            for i in range(n_micro):
-                mb = my_rows[i * sched.micro_batch_size: (i + 1) * sched.micro_batch_size]
-                mask = batch.loss_mask[mb].to(device)
-                if not mb:
-                    mb = rows[:1]
-                    mask = torch.zeros_like(batch.loss_mask[mb]).to(device)
-                logp, ent = token_logprobs(backend.model, batch, mb, with_entropy=need_ent,
-                                           device=device)
-                adv = adv_BT[mb].to(device)
-                if method.loss.entropy_adv_alpha > 0:
-                    adv = entropy_aware_advantage(adv_BT=adv, entropy_BT=ent.detach(),
-                                                  mask_BT=mask,
-                                                  alpha=method.loss.entropy_adv_alpha)
-                pg, diag = policy_loss(
-                    logp_BT=logp, old_logp_BT=old[mb].to(device), adv_BT=adv, mask_BT=mask,
-                    ratio_level=method.loss.ratio_level, clip_low=method.loss.clip_low,
-                    clip_high=method.loss.clip_high, agg_mode=method.loss.agg_mode,
-                    clip_scale_BT=None if clip_BT is None else clip_BT[mb].to(device),
-                    dual_clip=method.loss.dual_clip, upper_clip=method.loss.upper_clip,
-                    turn_id_BT=batch.turn_id[mb].to(device), K=K, global_tokens=tokens,
-                    global_seqs=seqs, dp_size=world, norm_length=norm_length)
-                loss = pg
-                if ref is not None:
-                    kl = kl_penalty(logp_BT=logp, ref_logp_BT=ref[mb].to(device),
-                                    kind=method.loss.kl_kind)
-                    kl_term = aggregate_loss(kl, mask, method.loss.agg_mode,
-                                             global_tokens=tokens, global_seqs=seqs,
-                                             dp_size=world, norm_length=norm_length)
-                    loss = loss + method.loss.kl_coef * kl_term
-                    loss_log["kl"].append(float(kl_term.detach()) / world)
-                if method.loss.entropy_coef > 0:
-                    ent_term = aggregate_loss(ent, mask, method.loss.agg_mode,
-                                              global_tokens=tokens, global_seqs=seqs,
-                                              dp_size=world, norm_length=norm_length)
-                    loss = loss - method.loss.entropy_coef * ent_term
-                backend.backward(loss)
-                # each term carries the factor `world`: / world makes the sum over ranks the
-                # unsplit mini-batch's value
-                loss_log["total"].append(float(loss.detach()) / world)
-                loss_log["pg"].append(float(pg.detach()) / world)
-                if not mask.any():
-                    continue
-                for key in ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ppo_kl",
-                            "ratio_mean"):
-                    if key in diag and torch.isfinite(torch.as_tensor(diag[key])):
-                        loss_log[key].append(float(diag[key]))
-                for k, v in diag.get("pg_clipfrac_by_turn", {}).items():
-                    clip_by_turn[int(k)].append(float(v))
-            grad_norms.append(backend.step())
-            scheduler.step()
-    timings["update"] = time.perf_counter() - t0
-    backend.unwrapped.eval()
-    if cfg.engine == "vllm":  # the hf engine samples from this very model object
-        engine.update_weights(backend.hf_state_dict() or {})
-    for key in ("total", "pg", "kl"):  # sums over ranks (the diagnostics stay rank 0's)
-        if key in loss_log:
-            loss_log[key] = [backend.all_reduce_sum(float(np.sum(loss_log[key])))]
-
-    # 8. metrics ---------------------------------------------------------------------------
-    rewards = np.array([t.reward for t in trajs])
-    calls = [t.num_tool_calls for t in trajs]
-    stops = Counter(t.turns[-1].stop for t in trajs)
-    spread = Counter()
-    for g in groups:
-        r = {t.reward for t in trajs if t.group_id == g}
-        spread["zero" if len(r) <= 1 else "some"] += 1
-    updates = max(1, len(grad_norms))
-    metrics = {
-        "train/reward": float(rewards.mean()),
-        "train/em": float(np.mean([t.extra["em"] for t in trajs])),
-        "train/format_fail": float(np.mean([not t.extra["format_ok"] for t in trajs])),
-        "rollout/trajectories": len(trajs),
-        "rollout/tool_calls": float(np.mean(calls)),
-        "rollout/response_tokens": float(np.mean([t.response_length() for t in trajs])),
-        "rollout/obs_tokens": float(np.mean([sum(len(x.obs_ids) for x in t.turns)
-                                            for t in trajs])),
-        "rollout/truncated": float(np.mean([t.turns[-1].stop in ("length", "max_tokens")
-                                           for t in trajs])),
-        "rollout/zero_variance_groups": spread["zero"] / max(1, len(groups)),
-        "rollout/gen_batches": gen_batches,
-        "rollout/retrieval_calls": retrieval_calls,
-        "rollout/entropy": float(np.mean([x.entropy for t in trajs for x in t.turns])),
-        # per update: the micro-batch terms of an update sum to its loss (global denominators)
-        "loss/total": float(loss_log["total"][0] / updates),
-        "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-        "optim/lr": float(scheduler.get_last_lr()[0]),
-        "time/step": time.perf_counter() - tic,
-    }
-    for c in range(max(calls) + 1):
-        metrics[f"rollout/tool_calls_dist/{c}"] = calls.count(c) / len(calls)
-    for s_, n in stops.items():
-        metrics[f"rollout/stop/{s_}"] = n / len(trajs)
-    for key, vals in loss_log.items():
-        if key in ("pg", "kl"):
-            metrics[f"loss/{key}"] = float(vals[0] / updates)
-        elif key != "total":
-            metrics[f"loss/{key}"] = float(np.mean(vals))
-    for k, vals in clip_by_turn.items():
-        metrics[f"clip/by_turn/{k}"] = float(np.mean(vals))
-    for k in range(K):
-        col = [p.advantages[k] for p in per_turn if len(p.advantages) > k]
-        if col:
-            metrics.update({f"adv/turn{k}/mean": float(np.mean(col)),
-                            f"adv/turn{k}/std": float(np.std(col)),
-                            f"adv/turn{k}/min": float(np.min(col)),
-                            f"adv/turn{k}/max": float(np.max(col))})
-        if igs is not None:
-            ig_col = [g[k] for g in igs if len(g) > k and g[k] is not None]
-            if ig_col:
-                metrics[f"ig/turn{k}/mean"] = float(np.mean(ig_col))
-                metrics[f"ig/turn{k}/std"] = float(np.std(ig_col))
-    if ig_stats:
-        metrics["ig/extra_token_ratio"] = (ig_stats["ig_tokens"]
-                                           / max(1, ig_stats["trajectory_tokens"]))
-    for k, v in timings.items():
-        metrics[f"time/{k}"] = v
-    gen_tokens = sum(len(x.action_ids) for t in trajs for x in t.turns)
-    metrics["throughput/rollout_tokens_per_s"] = gen_tokens / max(
-        1e-9, timings["rollout"] + timings["retrieval"])
-    metrics["throughput/update_tokens_per_s"] = float(batch.attention_mask.sum()) \
-        * sched.ppo_epochs / max(1e-9, timings["update"])
-    seen: Counter = Counter()
-    sample = []
-    for b, t in enumerate(trajs):
-        sample.append(_rollout_record(tok, t, seen[t.group_id], per_turn[b].advantages))
-        seen[t.group_id] += 1
-    return metrics, sample
-
-
-def _rollout_record(tok, t: Trajectory, index: int, advantages) -> dict:
-    """One trajectory as rollouts.jsonl stores it: turn texts, queries, reward, advantages."""
-    turns = [{"turn": k, "stop": turn.stop, "query": turn.query,
-              "text": tok.decode(list(turn.action_ids), skip_special_tokens=True)}
-             for k, turn in enumerate(t.turns)]
-    return {"group": str(t.group_id), "index": index, "reward": float(t.reward),
-            "advantages": [float(a) for a in advantages], "turns": turns}

@@ -11,7 +11,7 @@ from a2tgpo.algo.masks import (
     masked_mean,
     masked_sum,
     turn_mask_from_counts,
-    turn_mean,
+    turn_sum_count,
 )
 
 D = torch.float64
@@ -37,12 +37,13 @@ def test_gather_turns_by_hand():
     assert gather_turns(vals, TURN_ID, fill=1.0)[0, 0].item() == 1.0
 
 
-def test_turn_mean_by_hand():
+def test_turn_sum_count_by_hand():
     v = torch.arange(14, dtype=D).reshape(2, 7)
-    # row 0: turn 0 = tokens 1,2 -> 1.5; turn 1 = tokens 4,5 -> 4.5
-    # row 1: turn 0 = tokens 9,10,11 -> 10; turn 1 absent -> 0
-    torch.testing.assert_close(turn_mean(v, TURN_ID, 2), torch.tensor([[1.5, 4.5], [10.0, 0.0]],
-                                                                       dtype=D))
+    # row 0: turn 0 = tokens 1,2 -> sum 3, 2 tokens; turn 1 = tokens 4,5 -> 9, 2
+    # row 1: turn 0 = tokens 9,10,11 -> 30, 3; turn 1 absent -> 0, 0 (the -1 tokens are dropped)
+    s, c = turn_sum_count(v, TURN_ID, 2)
+    torch.testing.assert_close(s, torch.tensor([[3.0, 9.0], [30.0, 0.0]], dtype=D))
+    torch.testing.assert_close(c, torch.tensor([[2.0, 2.0], [3.0, 0.0]], dtype=D))
 
 
 def test_turn_mask_from_counts():

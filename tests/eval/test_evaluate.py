@@ -285,10 +285,3 @@ def test_metrics_go_to_the_cells_mlflow_run(toy_cell, own_cell, tmp_path):
     assert m["test/all/em"] == pytest.approx(summary["groups"]["all"]["em"])
     assert m["eval/questions"] == 5 and m["val/em"] == 0.5
     assert [h.step for h in client.get_metric_history(train.run_id, "test/all/em")] == [0]
-
-
-def test_evaluation_and_validation_use_one_seed():
-    from a2tgpo.eval.evaluate import EVAL_SEED
-    from a2tgpo.train.rl import VALIDATION_SEED
-
-    assert EVAL_SEED == VALIDATION_SEED

@@ -1,9 +1,9 @@
 """Trajectory types and collation on hand-written token ids."""
 
 import pytest
-import torch
 
-from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, TreePosition, Turn, collate
+from a2tgpo.algo.types import TreePath
+from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn, collate
 
 
 def two_trajectories():
@@ -25,11 +25,12 @@ def test_collate_rows_by_hand():
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1, 1, 0, 0, 0]]
     assert batch.turn_id.tolist() == [[-1, -1, -1, 0, 0, -1, -1, 1],
                                       [-1, -1, 0, 0, 0, -1, -1, -1]]
-    torch.testing.assert_close(batch.rollout_logprobs, torch.tensor(
-        [[0, 0, 0, -0.1, -0.2, 0, 0, -0.3], [0, 0, -1, -1, -1, 0, 0, 0]]))
     assert batch.turn_mask.tolist() == [[True, True], [True, False]]
+    # a's turn 0 searched; its final turn answered; b's only turn ended on eos
+    assert batch.tool_call.tolist() == [[True, False], [False, False]]
+    assert batch.num_turns.tolist() == [2, 1]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 4, 4, 4]]
-    assert batch.reward.tolist() == [1.0, -1.0] and batch.group_ids == ["g", "g"]
+    assert batch.group_ids == ["g", "g"]
     assert batch.prompt_lengths.tolist() == [3, 2]
     # observation tokens never carry loss; every sampled token does
     assert not (batch.loss_mask.bool() & (batch.turn_id < 0)).any()
@@ -67,4 +68,4 @@ def test_branch_shares_exact_prefix():
     with pytest.raises(ValueError):
         b.branch(2)
     with pytest.raises(ValueError, match="one node per turn plus the root"):
-        Trajectory((1,), b.turns, "q", 0, tree=TreePosition(0, (0,), (0.0,)))
+        Trajectory((1,), b.turns, "q", 0, tree=TreePath(0, (0,), (0.0,)))

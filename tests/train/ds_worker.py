@@ -1,20 +1,23 @@
-"""Worker of test_distributed.py: a few RL updates of a tiny Qwen3 through a training backend.
+"""Worker of test_distributed.py: a few RL updates of a tiny Qwen3 through the trainer's own
+update (`a2tgpo.train.update.update_mini_batch`) on a training backend.
 
     python ds_worker.py --out DIR                                # results in DIR/single
     python -m deepspeed.launcher.runner --num_gpus 2 --master_port P
         ds_worker.py --out DIR --zero-stages 2 3                 # in DIR/zero2, DIR/zero3
 
-Every rank builds the same seeded model and the same synthetic RL batch, takes rows
-r::world_size of each mini-batch, and computes `policy_loss` with the mini-batch's global token
-and sequence counts and dp_size = world size, as the training loop does. The mini-batches have
-different sizes (so a different number of micro-batches per update) and each update uses
-another aggregation mode. After the second update it saves the backend state; after the last
-it builds a fresh model and backend, loads that state and repeats the updates from there, which
+Every rank builds the same seeded model and the same synthetic RL batch and calls
+`update_mini_batch` with each mini-batch's rows, as the training loop does: the function takes
+rows rank::world_size, in micro-batches, with the mini-batch's global token and sequence counts
+and dp_size = world size. The mini-batches have different sizes (so a different number of
+micro-batches per update, and an empty micro-batch on one rank), and each update uses another
+loss: token-level ratio with dual clip, turn-level ratio with adaptive clip scales, sequence-level
+ratio with a KL term. After the second update it saves the backend state; after the last it
+builds a fresh model and backend, loads that state and repeats the updates from there, which
 must give the same losses and weights (a resume). The main rank writes result.json (losses,
 grad norms, resume and HF-export differences) and weights.pt (final weights) per run.
 
-Loss reported per update: L_u = (1 / W) Σ_ranks Σ_micro-batches ℓ, where each micro-batch
-loss ℓ carries the factor W (masks.aggregate_loss), so L_u is the loss of the whole, unsplit
+Loss reported per update: L_u = Σ_ranks Σ_micro-batches ℓ / W, where each micro-batch loss ℓ
+carries the factor W (masks.aggregate_loss), so L_u is the loss of the whole, unsplit
 mini-batch, whatever W and the micro-batch size.
 """
 
@@ -24,16 +27,29 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from a2tgpo.algo.losses import policy_loss
-from a2tgpo.algo.masks import local_denominators
-from a2tgpo.train.distributed import (DeepSpeedBackend, SingleBackend, init_distributed,
-                                       shutdown_distributed)
+from a2tgpo.algo.methods import LossConfig
+from a2tgpo.rollout.trajectory import Batch
+from a2tgpo.train.distributed import (
+    DeepSpeedBackend,
+    SingleBackend,
+    init_distributed,
+    shutdown_distributed,
+)
+from a2tgpo.train.update import UpdateBatch, UpdateLog, batched_logprobs, update_mini_batch
 
 ROWS, LENGTH, PROMPT, VOCAB = 24, 16, 4, 64
-MINI_BATCHES = ((0, 8), (8, 20), (20, 24))  # row ranges: 8, 12 and 4 rows
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+MINI_BATCHES = ((0, 8), (8, 21), (21, 24))  # row ranges: 8, 13 and 3 rows
+LOSSES = (
+    LossConfig(ratio_level="token", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
+               agg_mode="token-mean"),
+    LossConfig(ratio_level="turn", clip_low=0.1, clip_high=0.15, dual_clip=None,
+               adaptive_clip=True, agg_mode="seq-mean-token-mean"),
+    LossConfig(ratio_level="sequence", clip_low=0.1, clip_high=0.12, dual_clip=None,
+               agg_mode="seq-mean-token-sum", kl_coef=0.05, kl_kind="low_var_kl"),
+)
 MICRO_BATCH = 2
 SAVE_AFTER = 2  # updates done when the state is saved
 LR, GRAD_CLIP = 1e-2, 0.5
@@ -53,25 +69,30 @@ def build_model(seed: int):
     return Qwen3ForCausalLM(config)
 
 
-def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """log π(x_t | x_<t), 0 at t = 0 (as rl.token_logprobs). (b, T) -> (b, T)."""
-    logits = model(input_ids=ids).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-
-
-def synthetic_batch(model) -> dict[str, torch.Tensor]:
+def synthetic_batch(model) -> UpdateBatch:
     """Seeded ids, loss mask (prompt and random observation tokens masked, one row fully),
-    per-row advantages, and old log-probs near the initial policy's (so some ratios clip)."""
+    two turns per row, per-row advantages, clip scales per turn, and old/reference log-probs
+    near the initial policy's (so some ratios clip and the KL is not 0)."""
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
-    mask = (torch.rand(ROWS, LENGTH, generator=g) > 0.25).float()
+    mask = (torch.rand(ROWS, LENGTH, generator=g) > 0.25).long()
     mask[:, :PROMPT] = 0
     mask[3] = 0  # a sequence without loss tokens: counts for no sequence
+    positions = torch.arange(LENGTH).expand(ROWS, LENGTH)
+    turn_id = torch.where(mask.bool(), (positions >= LENGTH // 2).long(), -1)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
+                  turn_id=turn_id, position_ids=positions.clone(),
+                  turn_mask=torch.ones(ROWS, 2, dtype=torch.bool),
+                  tool_call=torch.tensor([[True, False]]).expand(ROWS, 2).clone(),
+                  prompt_lengths=torch.full((ROWS,), PROMPT), group_ids=list(range(ROWS)))
     adv = torch.randn(ROWS, 1, generator=g).expand(ROWS, LENGTH).contiguous()
-    with torch.no_grad():
-        old = token_logprobs(model, ids) + 0.2 * torch.randn(ROWS, LENGTH, generator=g)
-    return {"ids": ids, "mask": mask, "adv": adv, "old": old}
+    clip_scale = 1 + 0.3 * (2 * torch.rand(ROWS, 2, generator=g) - 1)
+    current = batched_logprobs(model, batch, list(range(ROWS)), ROWS, "cpu")
+    return UpdateBatch(batch=batch,
+                       old_logp=current + 0.2 * torch.randn(ROWS, LENGTH, generator=g),
+                       adv=adv,
+                       ref_logp=current + 0.3 * torch.randn(ROWS, LENGTH, generator=g),
+                       clip_scale=torch.gather(clip_scale, 1, turn_id.clamp(min=0)))
 
 
 def make_backend(zero_stage: int | None, seed: int):
@@ -83,32 +104,21 @@ def make_backend(zero_stage: int | None, seed: int):
     if zero_stage is None:
         backend = SingleBackend(model, optimizer, grad_clip=GRAD_CLIP)
     else:
-        # 2 nominal micro-batches per update: the actual counts (2, 3, 1 per rank) differ, and
+        # 2 nominal micro-batches per update: the actual counts (2, 4, 1 per rank) differ, and
         # DeepSpeed must neither divide the loss by 2 nor step after 2 backward calls
         backend = DeepSpeedBackend(model, optimizer, zero_stage=zero_stage, grad_clip=GRAD_CLIP,
                                    micro_batches_per_step=2, micro_batch_size=MICRO_BATCH)
     return backend, scheduler
 
 
-def update(backend, batch, u: int) -> tuple[float, float]:
-    """One optimizer update on mini-batch u; returns (global loss L_u, grad norm)."""
+def update(backend, data: UpdateBatch, u: int) -> tuple[float, float]:
+    """One optimizer update on mini-batch u by the trainer's function; returns (global loss
+    L_u, grad norm)."""
     start, stop = MINI_BATCHES[u]
-    mine = list(range(start, stop))[backend.rank::backend.world_size]
-    tokens, seqs = local_denominators(batch["mask"][mine])
-    tokens, seqs = backend.all_reduce_sum(tokens), backend.all_reduce_sum(seqs)
-    local = 0.0
-    for s in range(0, len(mine), MICRO_BATCH):
-        rows = mine[s: s + MICRO_BATCH]
-        dev = {k: v[rows].to(backend.device) for k, v in batch.items()}
-        loss, _ = policy_loss(
-            logp_BT=token_logprobs(backend.model, dev["ids"]), old_logp_BT=dev["old"],
-            adv_BT=dev["adv"], mask_BT=dev["mask"], ratio_level="token", clip_low=0.2,
-            clip_high=0.28, agg_mode=AGG_MODES[u], global_tokens=tokens, global_seqs=seqs,
-            dp_size=backend.world_size)
-        backend.backward(loss)
-        local += loss.item()
-    grad_norm = backend.step()
-    return backend.all_reduce_sum(local) / backend.world_size, grad_norm
+    log = UpdateLog()
+    grad_norm = update_mini_batch(backend, data, list(range(start, stop)), LOSSES[u],
+                                  micro_batch_size=MICRO_BATCH, norm_length=LENGTH, log=log)
+    return backend.all_reduce_sum(float(np.sum(log.terms["total"]))), grad_norm
 
 
 def export_round_trip(backend, weights: dict[str, torch.Tensor], directory: Path) -> float:
@@ -124,7 +134,7 @@ def export_round_trip(backend, weights: dict[str, torch.Tensor], directory: Path
     return max(float((loaded[k] - weights[k]).abs().max()) for k in weights)
 
 
-def run(zero_stage: int | None, batch: dict[str, torch.Tensor], out: Path) -> None:
+def run(zero_stage: int | None, batch: UpdateBatch, out: Path) -> None:
     """Train, save after SAVE_AFTER updates, resume into fresh objects; results to `out`."""
     backend, scheduler = make_backend(zero_stage, seed=0)
     backend.model.train()

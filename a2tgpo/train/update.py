@@ -1,0 +1,193 @@
+"""The policy update of the recipe (rl.py step 8) and the log-probability passes it shares with
+steps 5-6.
+
+`update_policy` runs ppo_epochs x mini-batches (by prompt); `update_mini_batch` is one optimizer
+update: each rank takes rows rank::world of the mini-batch, in micro-batches, and every loss
+uses the mini-batch's global token/sequence counts with dp_size = world, so that the sum over
+micro-batches and the average over ranks is exactly the unsplit mini-batch's loss
+(`masks.aggregate_loss`). The same function runs in one process and under DeepSpeed ZeRO
+(tests/train/ds_worker.py drives it on 2 ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from a2tgpo.algo.losses import (
+    entropy_aware_advantage,
+    entropy_from_logprobs,
+    kl_penalty,
+    policy_loss,
+)
+from a2tgpo.algo.masks import aggregate_loss, local_denominators
+from a2tgpo.algo.methods import LossConfig
+from a2tgpo.rollout.trajectory import Batch
+from a2tgpo.train.config import ScheduleConfig
+
+# diagnostics of policy_loss averaged over micro-batches into loss/<key>
+DIAGNOSTICS = ("pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ppo_kl", "ratio_mean")
+
+
+@dataclass
+class UpdateBatch:
+    """What the update reads; row b is trajectory b of `batch`.
+
+    old_logp, adv: (B, L) log π_old of each token and its advantage (0 off loss tokens);
+    ref_logp: (B, L) log π_ref, None without KL; clip_scale: (B, L) adaptive clip scale c
+    (bounds 1 − c·ε_low, 1 + c·ε_high), None for fixed bounds.
+    """
+
+    batch: Batch
+    old_logp: torch.Tensor
+    adv: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    clip_scale: torch.Tensor | None = None
+
+
+@dataclass
+class UpdateLog:
+    """What the updates of one step report: per micro-batch loss terms (each already / world,
+    so the sum over ranks is the unsplit value), diagnostics, clip fractions by turn, and one
+    gradient norm per update."""
+
+    terms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    diagnostics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    clip_by_turn: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    grad_norms: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """Per update: an update's micro-batch terms sum to its loss (global denominators)."""
+        updates = max(1, len(self.grad_norms))
+        out = {f"loss/{k}": float(v[0] / updates) for k, v in self.terms.items()}
+        out.update({f"loss/{k}": float(np.mean(v)) for k, v in self.diagnostics.items()})
+        out.update({f"clip/by_turn/{k}": float(np.mean(v)) for k, v in self.clip_by_turn.items()})
+        out["optim/grad_norm"] = float(np.mean(self.grad_norms)) if self.grad_norms else 0.0
+        return out
+
+
+def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows.
+
+    Shapes: -> logp_bL (b, L) and entropy_bL (b, L) (entropy of the distribution that
+    predicted token t), aligned with batch.input_ids.
+    """
+    ids = batch.input_ids[rows].to(device)
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows].to(device),
+                   position_ids=batch.position_ids[rows].to(device)).logits.float()
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (b, L-1, V)
+    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    if not with_entropy:
+        return lp, None
+    e = entropy_from_logprobs(logp_BTV=logp_all)
+    return lp, torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: Batch, rows: list[int], size: int, device) -> torch.Tensor:
+    """token_logprobs of `rows` in micro-batches of `size`, on CPU. -> (len(rows), L)"""
+    if not rows:
+        return torch.zeros(0, batch.input_ids.shape[1])
+    return torch.cat([token_logprobs(model, batch, rows[s: s + size], device=device)[0].cpu()
+                      for s in range(0, len(rows), size)])
+
+
+def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.Tensor,
+                     loss: LossConfig, *, tokens: float, seqs: float, world: int,
+                     norm_length: int, device) -> tuple[torch.Tensor, dict, dict]:
+    """The loss of one micro-batch (its share of the mini-batch loss, times `world`): the
+    clipped surrogate, + kl_coef·KL, − entropy_coef·H. Returns (loss, {"pg", "kl"} terms,
+    policy_loss diagnostics)."""
+    b = data.batch
+    agg = dict(global_tokens=tokens, global_seqs=seqs, dp_size=world, norm_length=norm_length)
+    need_ent = loss.entropy_coef > 0 or loss.entropy_adv_alpha > 0
+    logp, ent = token_logprobs(model, b, rows, with_entropy=need_ent, device=device)
+    adv = data.adv[rows].to(device)
+    if loss.entropy_adv_alpha > 0:
+        adv = entropy_aware_advantage(adv_BT=adv, entropy_BT=ent.detach(), mask_BT=mask_bL,
+                                      alpha=loss.entropy_adv_alpha)
+    pg, diag = policy_loss(
+        logp_BT=logp, old_logp_BT=data.old_logp[rows].to(device), adv_BT=adv, mask_BT=mask_bL,
+        ratio_level=loss.ratio_level, clip_low=loss.clip_low, clip_high=loss.clip_high,
+        agg_mode=loss.agg_mode,
+        clip_scale_BT=None if data.clip_scale is None else data.clip_scale[rows].to(device),
+        dual_clip=loss.dual_clip, upper_clip=loss.upper_clip,
+        turn_id_BT=b.turn_id[rows].to(device), K=b.turn_mask.shape[1], **agg)
+    total, terms = pg, {"pg": pg}
+    if data.ref_logp is not None:
+        kl = kl_penalty(logp_BT=logp, ref_logp_BT=data.ref_logp[rows].to(device),
+                        kind=loss.kl_kind)
+        terms["kl"] = aggregate_loss(kl, mask_bL, loss.agg_mode, **agg)
+        total = total + loss.kl_coef * terms["kl"]
+    if loss.entropy_coef > 0:
+        total = total - loss.entropy_coef * aggregate_loss(ent, mask_bL, loss.agg_mode, **agg)
+    return total, terms, diag
+
+
+def update_mini_batch(backend, data: UpdateBatch, rows: list[int], loss: LossConfig, *,
+                      micro_batch_size: int, norm_length: int, log: UpdateLog) -> float:
+    """One optimizer update on the mini-batch `rows` (every rank passes the same rows); returns
+    the gradient norm. Every rank makes the same number of forward/backward calls (ZeRO's
+    collectives): a rank short of rows runs a micro-batch whose loss mask is all zero."""
+    world, device = backend.world_size, backend.device
+    tokens, seqs = local_denominators(data.batch.loss_mask[rows])
+    mine = rows[backend.rank::world]
+    for i in range(math.ceil(math.ceil(len(rows) / world) / micro_batch_size)):
+        mb = mine[i * micro_batch_size: (i + 1) * micro_batch_size]
+        mask = data.batch.loss_mask[mb].to(device)
+        if not mb:
+            mb = rows[:1]
+            mask = torch.zeros_like(data.batch.loss_mask[mb]).to(device)
+        total, terms, diag = micro_batch_loss(backend.model, data, mb, mask, loss,
+                                              tokens=tokens, seqs=seqs, world=world,
+                                              norm_length=norm_length, device=device)
+        backend.backward(total)
+        _record(log, total, terms, diag, world, any_tokens=bool(mask.any()))
+    return backend.step()
+
+
+def _record(log: UpdateLog, total, terms: dict, diag: dict, world: int, *, any_tokens: bool
+            ) -> None:
+    # each term carries the factor `world`: / world makes the sum over ranks the unsplit value
+    log.terms["total"].append(float(total.detach()) / world)
+    for k, v in terms.items():
+        log.terms[k].append(float(v.detach()) / world)
+    if not any_tokens:
+        return
+    for key in DIAGNOSTICS:
+        if key in diag and torch.isfinite(torch.as_tensor(diag[key])):
+            log.diagnostics[key].append(float(diag[key]))
+    for k, v in diag.get("pg_clipfrac_by_turn", {}).items():
+        log.clip_by_turn[int(k)].append(float(v))
+
+
+def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,
+                  schedule: ScheduleConfig, *, seed: int, norm_length: int) -> UpdateLog:
+    """ppo_epochs passes; each shuffles the prompt groups (seeded) and makes one optimizer
+    update per `mini_batch_prompts` groups. Loss terms are summed over ranks at the end."""
+    group_ids = data.batch.group_ids
+    groups = list(dict.fromkeys(group_ids))
+    rng = random.Random(seed)
+    log = UpdateLog()
+    backend.unwrapped.train()
+    for _ in range(schedule.ppo_epochs):
+        order = groups[:]
+        rng.shuffle(order)
+        for m in range(0, len(order), schedule.mini_batch_prompts):
+            chosen = set(order[m: m + schedule.mini_batch_prompts])
+            rows = [b for b, g in enumerate(group_ids) if g in chosen]
+            log.grad_norms.append(update_mini_batch(
+                backend, data, rows, loss, micro_batch_size=schedule.micro_batch_size,
+                norm_length=norm_length, log=log))
+            scheduler.step()
+    backend.unwrapped.eval()
+    for key, vals in log.terms.items():
+        log.terms[key] = [backend.all_reduce_sum(float(np.sum(vals)))]
+    return log
