@@ -30,7 +30,6 @@ from typing import Literal
 from a2tgpo.cell import CELL_PATTERN as CELL_PATTERN  # the workflow's wildcard constraint
 from a2tgpo.cell import Cell, normalize_beta
 from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_dict
-from a2tgpo.config import format_value as format_value  # rl.py imports it from here
 from a2tgpo.train.config import TrainSettings
 
 

@@ -321,16 +321,25 @@ def render_markdown(cfg: ReportConfig, table: Table) -> str:
                 "|" + "---|" + "---:|" * (len(head) - 1)]
         for r in s.rows:
             cells = [md_escape(r.label), str(len(r.cells))]
-            for col in table.columns:
-                st = r.stats.get(col.id)
-                if st is None:
-                    cells.append("–")
-                    continue
-                text = _number(cfg, st, " ± ")
-                cells.append(f"**{text}**" if st.best else text)
+            cells += _stat_cells(cfg, table, r, missing="–", pm=" ± ", bold="**{}**")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _stat_cells(cfg: ReportConfig, table: Table, row, *, missing: str, pm: str, bold: str
+                ) -> list[str]:
+    """A row's value per column: mean (± std), `bold` formatting the column's best, `missing`
+    where the row has no value."""
+    cells = []
+    for col in table.columns:
+        st = row.stats.get(col.id)
+        if st is None:
+            cells.append(missing)
+            continue
+        text = _number(cfg, st, pm)
+        cells.append(bold.format(text) if st.best else text)
+    return cells
 
 
 def render_latex(cfg: ReportConfig, table: Table) -> str:
@@ -351,13 +360,8 @@ def render_latex(cfg: ReportConfig, table: Table) -> str:
         for i, r in enumerate(s.rows):
             cells = [tex_escape(s.label) if i == 0 else "", tex_escape(r.label),
                      str(len(r.cells))]
-            for col in table.columns:
-                st = r.stats.get(col.id)
-                if st is None:
-                    cells.append("--")
-                    continue
-                text = _number(cfg, st, " $\\pm$ ")
-                cells.append(f"\\textbf{{{text}}}" if st.best else text)
+            cells += _stat_cells(cfg, table, r, missing="--", pm=" $\\pm$ ",
+                                 bold="\\textbf{{{}}}")
             out.append(" & ".join(cells) + " \\\\")
     out += ["\\bottomrule", "\\end{tabular}", "\\end{table}", ""]
     return "\n".join(out)

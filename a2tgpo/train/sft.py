@@ -423,6 +423,24 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *
 # the stage
 
 
+def _demo_questions(cfg: SftConfig, world_dir: str | Path, holdout: str | Path | None
+                    ) -> tuple[list, int]:
+    """The world questions to demonstrate: cfg.datasets less the `holdout` file's ids, then a
+    seeded sample of cfg.max_questions; and how many were held out."""
+    questions = load_oracle_questions(world_dir, [tuple(d.split("/")) for d in cfg.datasets])
+    held = 0
+    if holdout is not None:
+        from a2tgpo.data.qa import load_split
+
+        ids = {r["id"] for r in load_split(holdout)}
+        held = sum(q.id in ids for q in questions)
+        questions = [q for q in questions if q.id not in ids]
+    if cfg.max_questions is not None and cfg.max_questions < len(questions):
+        keep = sorted(random.Random(cfg.seed).sample(range(len(questions)), cfg.max_questions))
+        questions = [questions[i] for i in keep]
+    return questions, held
+
+
 def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str | Path,
          world_dir: str | Path, corpus: str | Path, index: str | Path, out_dir: str | Path,
          section: str | None = "sft", holdout: str | Path | None = None,
@@ -437,19 +455,7 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
     t0 = time.perf_counter()
     cfg = load_config(SftConfig, config_path, overrides, section=section)
     agent = agent or AgentConfig()
-    pairs = [tuple(d.split("/")) for d in cfg.datasets]
-    questions = load_oracle_questions(world_dir, pairs)
-    held = 0
-    if holdout is not None:
-        from a2tgpo.data.qa import load_split
-
-        ids = {r["id"] for r in load_split(holdout)}
-        held = sum(q.id in ids for q in questions)
-        questions = [q for q in questions if q.id not in ids]
-    if cfg.max_questions is not None and cfg.max_questions < len(questions):
-        keep = sorted(random.Random(cfg.seed).sample(range(len(questions)), cfg.max_questions))
-        questions = [questions[i] for i in keep]
-
+    questions, held = _demo_questions(cfg, world_dir, holdout)
     backbone = BackboneConfig(id=Path(backbone_dir).name, path=str(backbone_dir),
                               dtype="float32")  # full-precision weights for the optimiser
     tok = load_tokenizer(backbone)
