@@ -12,10 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from a2tgpo.algo.rewards import score_response
+from a2tgpo.data.qa import load_split
 from a2tgpo.model.backbone import chat_template_kwargs
 from a2tgpo.rollout import trees
 from a2tgpo.rollout.agent import Question, SearchTool, rollout_chains
+from a2tgpo.rollout.hf_engine import HfEngine
 from a2tgpo.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:  # the config holds rollout settings: a type-only import avoids a cycle
@@ -36,8 +40,6 @@ def question_of(row: dict) -> Question:
 
 def load_questions(path: str | Path, limit: int = 0) -> list[Question]:
     """The questions of a prepared split, in file order; the first `limit` (0 = all)."""
-    from a2tgpo.data.qa import load_split  # pandas/datasets: only when data is read
-
     rows = load_split(path)
     return [question_of(r) for r in (rows[:limit] if limit else rows)]
 
@@ -46,8 +48,6 @@ def resolve_device(device: str) -> str:
     """A config's torch device: "auto" is cuda when a GPU is visible, else cpu."""
     if device != "auto":
         return device
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -55,8 +55,6 @@ def make_engine(cfg: TrainConfig, model, tok):
     """The rollout engine of `cfg.engine`: the hf engine samples from `model` itself; vLLM
     loads the backbone and receives weights by `update_weights`."""
     if cfg.engine == "hf":
-        from a2tgpo.rollout.hf_engine import HfEngine  # torch
-
         return HfEngine(model, tok)
     from a2tgpo.rollout.vllm_engine import VllmEngine  # optional, GPU nodes
 
