@@ -168,7 +168,8 @@ def cmd_search(args) -> int:
 
     cfg = _retrieval(args)
     retriever = _open_retriever(args, cfg)
-    for q, hits in zip(args.query, retriever.search(args.query, args.topk or cfg.topk)):
+    for q, hits in zip(args.query, retriever.search(args.query, args.topk or cfg.topk),
+                       strict=True):
         print(f"### {q}")
         print(format_passages(hits, args.style, cfg.max_passage_chars))
         print("scores: " + ", ".join(f"{h.id}={h.score:.3f}" for h in hits))

@@ -69,7 +69,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
     """typing.get_type_hints, once per class: it re-evaluates every annotation string, and the
     DAG validates hundreds of nested configs."""
@@ -224,7 +224,8 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(
-    cls: type[T], path: str | Path, overrides: typing.Iterable[str] = (), *, section: str | None = None
+    cls: type[T], path: str | Path, overrides: typing.Iterable[str] = (), *,
+    section: str | None = None
 ) -> T:
     """Load `path` (optionally only its top-level `section`) into `cls`, with overrides."""
     data = read_yaml(path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,11 +26,11 @@ from a2tgpo.config import (
 from a2tgpo.data.corpus import CorpusConfig
 from a2tgpo.data.qa import DataConfig
 from a2tgpo.data.world import WorldConfig
+from a2tgpo.grid import CellSet, GridConfig, TrackConfig, TrainSection, validate_grid
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
-from a2tgpo.grid import CellSet, GridConfig, TrackConfig, TrainSection, validate_grid
 from a2tgpo.tracking import TrackingConfig
 from a2tgpo.train.config import SftConfig
 

@@ -582,8 +582,8 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
         if run_dir.exists() and not run_config_matches(cfg):
             move_aside(run_dir, "its checkpoints belong to a different config (other β/γ, or "
                                 "a changed base config or overrides)")
-        resume = " (same params as failed trial #%d; resuming its run folder)" % \
-            claim.retry_of if claim.retry_of is not None else ""
+        resume = (f" (same params as failed trial #{claim.retry_of:d}; resuming its run folder)"
+                  if claim.retry_of is not None else "")
         _say(f"{head} start: {_fmt(values)}{resume} -> {cfg.run_dir}")
         try:
             _precreate_mlflow_run(cfg, sweep, index, claim.number)
@@ -716,9 +716,9 @@ def plot_sweep(summary: dict, path: str | Path) -> None:
 
 def format_summary(summary: dict) -> str:
     best = summary["best"]
-    lines = [f"sweep {summary['sweep']}: {summary['n_trials']} trials of "
-             f"{summary['base']['method']} on {summary['base']['backbone']} (seed "
-             f"{summary['base']['seed']}), objective {summary['direction']} {summary['metric']}",
+    lines = [(f"sweep {summary['sweep']}: {summary['n_trials']} trials of "
+              f"{summary['base']['method']} on {summary['base']['backbone']} (seed "
+              f"{summary['base']['seed']}), objective {summary['direction']} {summary['metric']}"),
              f"{'trial':>5}  {'optuna':>6}  {'beta':>8}  {'gamma':>8}  {'value':>8}"]
     for r in summary["trials"]:
         mark = "  <- best" if r["index"] == best["index"] else ""

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from a2tgpo.config import ConfigError, load_config
-from a2tgpo.study import load_study, study_schema, write_section
 from a2tgpo.data.world import WorldConfig
+from a2tgpo.study import load_study, study_schema, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,4 +47,5 @@ def test_write_section_round_trips(tmp_path):
     out = tmp_path / "world.yaml"
     write_section(ROOT / "config/config.yaml", ["world.seed=5"], "world", out)
     world = load_config(WorldConfig, out)
-    assert world.seed == 5 and world == load_study(ROOT / "config/config.yaml", ["world.seed=5"]).world
+    assert world.seed == 5 and world == load_study(ROOT / "config/config.yaml",
+                                                   ["world.seed=5"]).world

@@ -273,7 +273,8 @@ def test_changed_sweep_config_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"different sweep config \(changed: "
                                           r"search.beta.high\)"):
         sw.run_trial(wider, 1, base, train_fn=FakeTrain())
-    sw.run_trial(make_sweep(tmp_path, n_trials=6), 5, base, train_fn=FakeTrain())  # n_trials may grow
+    # n_trials may grow
+    sw.run_trial(make_sweep(tmp_path, n_trials=6), 5, base, train_fn=FakeTrain())
 
 
 def test_index_out_of_range(tmp_path):
@@ -351,15 +352,16 @@ def test_parallel_trial_jobs_share_the_journal(tmp_path):
     base_path = tmp_path / "base.yaml"
     dump_config(base, base_path)
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_sweep import FakeTrain\n"
         "from a2tgpo import sweep as sw\n"
         "from a2tgpo.config import load_config\n"
         "from a2tgpo.train.config import TrainConfig\n"
-        "cfg = sw.load_sweep(%r); base = load_config(TrainConfig, %r)\n"
+        f"cfg = sw.load_sweep({str(cfg_path)!r}); "
+        f"base = load_config(TrainConfig, {str(base_path)!r})\n"
         "for i in map(int, sys.argv[1:]):\n"
         "    sw.run_trial(cfg, i, base, train_fn=FakeTrain())\n"
-    ) % (str(Path(__file__).parent), str(cfg_path), str(base_path))
+    )
     procs = [subprocess.Popen([sys.executable, "-c", script, *ix], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for ix in (["0", "2"], ["1", "3"])]

@@ -315,7 +315,7 @@ def gigpo_advantages(
         rows = (inv[b_idx] == g).nonzero(as_tuple=True)[0].tolist()
         ids = anchor_clusters([anchors[int(b_idx[r])][int(k_idx[r])] for r in rows],
                               similarity_threshold)
-        for r, c in zip(rows, ids):
+        for r, c in zip(rows, ids, strict=True):
             cluster[r] = offset + c
         offset += max(ids, default=-1) + 1
     cluster = cluster.to(dev)

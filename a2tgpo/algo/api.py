@@ -101,7 +101,8 @@ def turn_advantage_tensors(method: str | MethodConfig, inputs: TurnInputs, **hpa
             raise ValueError(f"method {cfg.id}: the {a.estimator} estimator needs trees")
         bad = [b for b, p in enumerate(inputs.trees) if len(p.nodes) - 1 != int(T[b])]
         if bad:
-            raise ValueError(f"trajectory {bad[0]}: a tree path of {len(inputs.trees[bad[0]].nodes)}"
+            raise ValueError(f"trajectory {bad[0]}: a tree path of "
+                             f"{len(inputs.trees[bad[0]].nodes)}"
                              f" nodes is not one node per turn plus the root "
                              f"({int(T[bad[0]])} turns)")
         adv = _tree_advantages(a, inputs.trees, reward, groups, T, K)
@@ -121,7 +122,7 @@ def _tree_advantages(a: AdvantageConfig, paths: Sequence[TreePath], reward, grou
                      ) -> torch.Tensor:
     """Rebuild the forest from the leaves' root->leaf paths, then per-turn advantages."""
     if a.estimator == "tree_grpo":
-        tree_L, _ = adv_fns.group_index([(g, p.tree) for g, p in zip(groups, paths)])
+        tree_L, _ = adv_fns.group_index([(g, p.tree) for g, p in zip(groups, paths, strict=True)])
         prompt_L, _ = adv_fns.group_index(groups)
         return _broadcast(tree_fns.tree_grpo_advantages(
             reward_L=reward, tree_L=tree_L, prompt_L=prompt_L, eps=a.eps, mode=a.tree_mode),
@@ -132,13 +133,13 @@ def _tree_advantages(a: AdvantageConfig, paths: Sequence[TreePath], reward, grou
     tree_of: list[int] = []
     trees: dict[tuple, int] = {}
     leaf_node: list[int] = []
-    for p, g in zip(paths, groups):
+    for p, g in zip(paths, groups, strict=True):
         key_tree = (g, p.tree)
         tid = trees.setdefault(key_tree, len(trees))
         if len(p.nodes) != len(p.entropies):
             raise ValueError("each tree trajectory needs one entropy per node of its path")
         prev = -1
-        for node, h in zip(p.nodes, p.entropies):
+        for node, h in zip(p.nodes, p.entropies, strict=True):
             key = (key_tree, node)
             if key not in index:
                 index[key] = len(parent)
@@ -163,7 +164,7 @@ def _tree_advantages(a: AdvantageConfig, paths: Sequence[TreePath], reward, grou
     A = tree_fns.at2po_node_advantages(V_N=V, parent_N=parent_N, tree_N=tree_N,
                                        adv_mode=a.adv_mode)
     path_adv = dict(zip(tree_fns.tree_leaves(parent_N).tolist(),
-                        tree_fns.leaf_turn_advantages(A_N=A, parent_N=parent_N)))
+                        tree_fns.leaf_turn_advantages(A_N=A, parent_N=parent_N), strict=True))
     adv = torch.zeros(len(paths), K, dtype=dt)
     for b, leaf in enumerate(leaf_node):
         turns = path_adv[leaf]

@@ -27,8 +27,7 @@ from typing import Literal
 
 import torch
 
-from a2tgpo.algo.masks import (AggMode, aggregate_loss, gather_turns, masked_mean,
-                               turn_sum_count)
+from a2tgpo.algo.masks import AggMode, aggregate_loss, gather_turns, masked_mean, turn_sum_count
 
 RatioLevel = Literal["token", "sequence", "turn"]
 UpperClip = Literal["hard", "gradient_preserving"]

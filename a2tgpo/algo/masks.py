@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from a2tgpo.algo.types import AGG_MODES, AggMode  # noqa: F401 (re-exported)
+from a2tgpo.algo.types import AGG_MODES, AggMode
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -80,7 +80,8 @@ def aggregate_loss(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: AggMode, 
 
     Modes, with M the mask and ℓ the per-token loss, over the whole mini-batch:
       token-mean               Σ_{i,t} Mℓ / Σ_{i,t} M                (verl default, DAPO)
-      seq-mean-token-mean      mean_i [Σ_t Mℓ / Σ_t M]               (GRPO, GSPO, ATPO, A2TGPO Eq. 12)
+      seq-mean-token-mean      mean_i [Σ_t Mℓ / Σ_t M]               (GRPO, GSPO, ATPO,
+                                                                      A2TGPO Eq. 12)
       seq-mean-token-sum       mean_i [Σ_t Mℓ]                       (IGPO)
       seq-mean-token-sum-norm  mean_i [Σ_t Mℓ] / norm_length         (Dr.GRPO; TRL's dr_grpo)
 

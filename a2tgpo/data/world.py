@@ -286,7 +286,8 @@ class World:
                     f"{n} was born in the year {a['birth_year']}.",
                     f"{n} works for {self.name(r['employer'])}."]
         if e.type == "company":
-            return [f"{n} is a company.", f"{n} is headquartered in {self.name(r['headquarters'])}.",
+            return [f"{n} is a company.",
+                    f"{n} is headquartered in {self.name(r['headquarters'])}.",
                     f"{n} was founded by {self.name(r['founder'])}.",
                     f"{n} was founded in the year {a['founded']}."]
         if e.type == "film":
@@ -412,7 +413,8 @@ class World:
             order = list(range(len(items)))
             self.rng.shuffle(order)
             # pair consecutive items of a shuffled order: each entity in at most one pair
-            for i, j in zip(order[::2], order[1::2]):
+            # (strict=False: with an odd count the last item is left unpaired)
+            for i, j in zip(order[::2], order[1::2], strict=False):
                 a, b = items[i], items[j]
                 if a.attrs[attr] == b.attrs[attr]:
                     continue

@@ -2,10 +2,10 @@
 
 The rollouts and scores are those of training's validation, by the same functions
 (`a2tgpo.rollout.runner.rollout(..., greedy=True)` and `runner.score(..., training=False)`, with
-the same seed), so a dev EM and a test EM are measured the same way. The policy is the checkpoint's HF model
-directory, loaded through `a2tgpo.model.backbone` with the cell's backbone config pointed at it
-(dtype, chat template and thinking switch as in training); retriever and search tool are built
-from the cell's config as training builds them.
+the same seed), so a dev EM and a test EM are measured the same way. The policy is the
+checkpoint's HF model directory, loaded through `a2tgpo.model.backbone` with the cell's backbone
+config pointed at it (dtype, chat template and thinking switch as in training); retriever and
+search tool are built from the cell's config as training builds them.
 
 Throughput: the questions of ALL test sets go through the agent loop together, `chunk`
 questions per rollout call, so every wave of every call is one large engine batch (the hf

@@ -28,7 +28,6 @@ the main table uses (`a2tgpo.report.pick_cells`).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import statistics
@@ -293,7 +292,7 @@ def _advantage_by_turn(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) 
     cfg, colors = w.cfg, _colors(w.cfg)
     fig, axes = plt.subplots(1, len(per_method), figsize=(3.6 * len(per_method), 3.6),
                              sharey=True, squeeze=False)
-    for ax, (m, stats) in zip(axes[0], per_method.items()):
+    for ax, (m, stats) in zip(axes[0], per_method.items(), strict=True):
         ks = sorted(stats)
         mean = [statistics.fmean(stats[k]["mean"]) if stats[k]["mean"] else np.nan for k in ks]
         std = [statistics.fmean(stats[k]["std"]) if stats[k]["std"] else 0.0 for k in ks]
@@ -325,7 +324,7 @@ def _advantage_over_steps(w: _Writer, backbone: str, cells: dict[str, list[Cell]
     cfg = w.cfg
     fig, axes = plt.subplots(1, len(per_method), figsize=(3.8 * len(per_method), 3.6),
                              sharey=True, squeeze=False)
-    for ax, (m, tables) in zip(axes[0], per_method.items()):
+    for ax, (m, tables) in zip(axes[0], per_method.items(), strict=True):
         # envelope: the most extreme per-turn min/max at each step, averaged over seeds
         lo_seeds, hi_seeds = [], []
         for t in tables:
@@ -520,7 +519,7 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     order = sorted(evaluated)
-    for ax, g in zip(axes[0], groups):
+    for ax, g in zip(axes[0], groups, strict=True):
         xs, ys, es = [], [], []
         for b in order:
             vals = [v for c in evaluated[b] if (v := _group_value(cfg, c, g)) is not None]

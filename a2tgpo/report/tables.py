@@ -156,7 +156,7 @@ def _mark_best(cfg: ReportConfig, section: Section, columns: list[Column]) -> No
         # compare what is printed, so equal printed values are all bold
         printed = [round(s.mean, cfg.decimals) for s in stats]
         top = max(printed)
-        for s, p in zip(stats, printed):
+        for s, p in zip(stats, printed, strict=True):
             s.best = p == top
 
 

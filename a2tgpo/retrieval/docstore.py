@@ -41,7 +41,8 @@ class DocStore:
         if not rows:
             return []
         batch = self.ds[list(rows)]
-        return [{"id": str(i), "contents": c} for i, c in zip(batch["id"], batch["contents"])]
+        return [{"id": str(i), "contents": c}
+                for i, c in zip(batch["id"], batch["contents"], strict=True)]
 
     def contents(self, start: int, end: int, chunk: int = 10_000) -> Iterator[list[str]]:
         """`contents` of rows [start, end) in chunks of at most `chunk` rows."""

@@ -38,7 +38,7 @@ def first_hop_recall(retriever: Retriever, questions: list[dict], ks: tuple[int,
     for s in range(0, len(questions), batch_size):
         batch = questions[s: s + batch_size]
         hits = retriever.search([q["question"] for q in batch], kmax)
-        for q, hs in zip(batch, hits):
+        for q, hs in zip(batch, hits, strict=True):
             ids = [h.id for h in hs]
             target = q["metadata"]["support"][0]
             found_at.append(ids.index(target) if target in ids else None)

@@ -119,11 +119,11 @@ class BM25Retriever:
 
 def _hits(docs, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
     flat = sorted({int(r) for r in rows.ravel() if r >= 0})
-    by_row = dict(zip(flat, docs.get(flat)))
+    by_row = dict(zip(flat, docs.get(flat), strict=True))
     return [
         [Hit(by_row[int(r)]["id"], by_row[int(r)]["contents"], float(s))
-         for r, s in zip(rr, ss) if r >= 0]
-        for rr, ss in zip(rows, scores)
+         for r, s in zip(rr, ss, strict=True) if r >= 0]
+        for rr, ss in zip(rows, scores, strict=True)
     ]
 
 

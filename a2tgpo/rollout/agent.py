@@ -189,7 +189,7 @@ def rollout_wave(builders: list[TrajectoryBuilder], live: list[bool], engine: En
         gens = engine.generate(inputs, params, seeds=[
             _seed(seed, traj_offset + i, len(builders[i].turns)) for i in active])
         searches: list[tuple[int, Turn, list[int]]] = []  # (index, turn, engine input)
-        for i, g, engine_input, r in zip(active, gens, inputs, room):
+        for i, g, engine_input, r in zip(active, gens, inputs, room, strict=True):
             b = builders[i]
             # the total-length limit keeps a prefix of what was sampled, never other ids
             ids, lps = list(g.token_ids)[:r], list(g.logprobs)[:r]
@@ -216,7 +216,7 @@ def rollout_wave(builders: list[TrajectoryBuilder], live: list[bool], engine: En
             b.add_turn(turn, engine_input)
             live[i] = bool(turn.obs_ids) and len(b) < limit[id(b)]
         results = tool.observe([t.query for _, t, _ in searches])
-        for (i, turn, engine_input), obs in zip(searches, results):
+        for (i, turn, engine_input), obs in zip(searches, results, strict=True):
             b = builders[i]
             room_left = limit[id(b)] - len(b) - len(turn.action_ids)
             b.add_turn(Turn(turn.action_ids, turn.action_logprobs, tuple(obs[:room_left]),

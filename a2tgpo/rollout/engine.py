@@ -16,7 +16,7 @@ top-p 1 they are the sampling distribution's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 StopReason = Literal["stop", "eos", "length"]

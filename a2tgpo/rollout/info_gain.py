@@ -245,7 +245,7 @@ def _probe_against_cache(model, cache, trajs, probes, values, stats):
     """
     device = _device(model)
     rows, copy, limit, pos = [], [], [], []  # per row: ids; per token: copy id, P_t, position
-    for traj, probe in zip(trajs, probes):
+    for traj, probe in zip(trajs, probes, strict=True):
         a = len(probe.ids)
         rows.append(list(probe.ids) * len(traj.probe_points))
         copy.append([t for t in range(len(traj.probe_points)) for _ in range(a)])
@@ -269,7 +269,7 @@ def _probe_against_cache(model, cache, trajs, probes, values, stats):
     # only the columns that predict answer tokens need logits: start−1 .. end−2 of each copy
     items = [(row, t, [t * len(probe.ids) + j for j in range(probe.answer_span[0] - 1,
                                                               probe.answer_span[1] - 1)])
-             for row, (traj, probe) in enumerate(zip(trajs, probes))
+             for row, (traj, probe) in enumerate(zip(trajs, probes, strict=True))
              for t in range(len(traj.probe_points))]
     keep = sorted({c for _, _, cols in items for c in cols})
     where = {c: i for i, c in enumerate(keep)}
@@ -285,7 +285,7 @@ def _probe_against_cache(model, cache, trajs, probes, values, stats):
         out.logits,
         [(row, [where[c] for c in cols], [rows[row][c + 1] for c in cols])
          for row, _, cols in items])
-    for (row, t, _), v in zip(items, means):
+    for (row, t, _), v in zip(items, means, strict=True):
         values[row][t] = v
 
 
@@ -315,6 +315,6 @@ def _score_naive(model, trajs, probes, batch_size, stats):
         means = _mean_answer_logprob(
             out.logits,
             [(n, [where[c] for c in cols], [rows[n][c + 1] for c in cols]) for n, cols in items])
-        for (b, t, _), v in zip(sub, means):
+        for (b, t, _), v in zip(sub, means, strict=True):
             values[b][t] = v
     return values

@@ -126,7 +126,9 @@ class TrajectoryBuilder:
     def add_turn(self, turn: Turn, engine_input: Sequence[int]) -> None:
         """Append `turn`, which the engine sampled from `engine_input`."""
         if list(engine_input) != self._ids:
-            first = next((i for i, (a, b) in enumerate(zip(engine_input, self._ids)) if a != b),
+            # strict=False: the lengths may differ; past the shorter one the default applies
+            first = next((i for i, (a, b) in enumerate(zip(engine_input, self._ids, strict=False))
+                          if a != b),
                          min(len(engine_input), len(self._ids)))
             raise AssertionError(
                 f"{self.question_id}: engine input of turn {len(self.turns) + 1} differs from "

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from a2tgpo.algo.methods import RolloutShapeConfig
+from a2tgpo.algo.types import TreePath
 from a2tgpo.rollout.agent import (
     AgentConfig,
     Question,
@@ -37,7 +38,6 @@ from a2tgpo.rollout.agent import (
     rollout_wave,
 )
 from a2tgpo.rollout.engine import Engine
-from a2tgpo.algo.types import TreePath
 from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
 
 ROOT = 0
@@ -161,7 +161,8 @@ def rollout_tree_grpo(questions: Sequence[Question], engine: Engine, tool: Searc
     rng = rng or random.Random(seed)
     trees: list[RolloutTree] = []
     builders: list[TrajectoryBuilder] = []
-    for q, make in zip(questions, _question_builders(questions, tool, agent_cfg, chat_kwargs)):
+    for q, make in zip(questions, _question_builders(questions, tool, agent_cfg, chat_kwargs),
+                       strict=True):
         for j in range(m):
             trees.append(RolloutTree(f"{q.id}#{j}"))
             builders.append(trees[-1].add(make()))
@@ -230,7 +231,8 @@ def rollout_at2po(questions: Sequence[Question], engine: Engine, tool: SearchToo
     rng = rng or random.Random(seed)
     trees: list[RolloutTree] = []
     builders: list[TrajectoryBuilder] = []
-    for q, make in zip(questions, _question_builders(questions, tool, agent_cfg, chat_kwargs)):
+    for q, make in zip(questions, _question_builders(questions, tool, agent_cfg, chat_kwargs),
+                       strict=True):
         trees.append(RolloutTree(f"{q.id}#0"))
         builders += [trees[-1].add(make()) for _ in range(m)]
     _run_waves(builders, trees, engine, tool, agent_cfg, seed)

@@ -205,7 +205,8 @@ class VllmEngine:
     @staticmethod
     def _generation(completion) -> Generation:
         ids = tuple(completion.token_ids)
-        logprobs = tuple(pos[tok].logprob for tok, pos in zip(ids, completion.logprobs))
+        logprobs = tuple(pos[tok].logprob
+                         for tok, pos in zip(ids, completion.logprobs, strict=True))
         reason, stop_string = _stop_reason(completion.finish_reason, completion.stop_reason)
         return Generation(ids, logprobs, reason, stop_string)
 

@@ -308,7 +308,7 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
             break
         keep = dynamic_sampling_keep(metric_B=filter_metric(trajs, dapo.filter_metric),
                                      group_B=[t.group_id for t in trajs])
-        kept += [t for t, k in zip(trajs, keep.tolist()) if k]
+        kept += [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
         groups = list(dict.fromkeys(t.group_id for t in kept))
         if len(groups) >= want:
             kept = [t for t in kept if t.group_id in set(groups[:want])]
@@ -336,7 +336,7 @@ def shape_rewards(cfg: TrainConfig, trajs: list[Trajectory]) -> list[Trajectory]
                            buffer_length=dapo.overlong_buffer,
                            penalty_factor=dapo.overlong_factor)
     return [replace(t, reward=t.reward + float(p), extra={**t.extra, "score": t.reward})
-            for t, p in zip(trajs, pen)]
+            for t, p in zip(trajs, pen, strict=True)]
 
 
 def filter_metric(trajs: list[Trajectory], metric: str) -> torch.Tensor:
@@ -383,7 +383,7 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
         ig_stats: dict[str, float] = defaultdict(float)
         for rows, part_values, part_lps, part_stats in backend.all_gather_object(
                 (mine, values, lps, stats)):
-            for b, v, lp in zip(rows, part_values, part_lps):
+            for b, v, lp in zip(rows, part_values, part_lps, strict=True):
                 gold[b] = v
                 old_BL[b, 1: 1 + len(lp)] = torch.tensor(lp)
             for k, v in part_stats.items():

@@ -47,13 +47,13 @@ from pathlib import Path
 import torch
 
 from a2tgpo.algo.rewards import score_response
-from a2tgpo.config import load_config, option, to_dict
+from a2tgpo.config import load_config, to_dict
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.retrieval.retriever import RetrievalConfig, build_retriever
 from a2tgpo.rollout.agent import AgentConfig, SearchTool, prompt_ids
 from a2tgpo.rollout.trajectory import Batch, Trajectory, TrajectoryBuilder, Turn, collate
-from a2tgpo.train.config import SftConfig  # noqa: F401 (defined there: configs stay torch-free)
+from a2tgpo.train.config import SftConfig
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def read_pages(observation: str) -> dict[str, str]:
     body = observation.replace("<result>", "").replace("</result>", "")
     parts = _PAGE.split(body)
     pages: dict[str, str] = {}
-    for title, text in zip(parts[1::2], parts[2::2]):
+    for title, text in zip(parts[1::2], parts[2::2], strict=True):
         pages.setdefault(title.lower(), text.strip())
     return pages
 
@@ -144,8 +144,8 @@ def _search(think: str, query: str, first: bool) -> Step:
 
 
 def _answer(think: str, answer: str, first: bool) -> Step:
-    return (f"{'' if first else ' '}<think> {think} </think> <answer> The final answer is "
-            f"\\[ \\boxed{{{answer}}} \\] </answer>", None)
+    return ((f"{'' if first else ' '}<think> {think} </think> <answer> The final answer is "
+             f"\\[ \\boxed{{{answer}}} \\] </answer>"), None)
 
 
 def misspell(name: str, rng: random.Random) -> str:
@@ -240,12 +240,13 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
     builders = [TrajectoryBuilder(prompt_ids(tok, q.question, cfg.prompt_style, chat_kwargs),
                                   question_id=q.id, group_id=q.id, golden_answers=q.golden_answers)
                 for q in questions]
-    agents = [oracle(q, kind, random.Random(f"{seed}:{q.id}")) for q, kind in zip(questions, kinds)]
+    agents = [oracle(q, kind, random.Random(f"{seed}:{q.id}"))
+              for q, kind in zip(questions, kinds, strict=True)]
     steps: list[Step | None] = [next(a) for a in agents]
     while any(s is not None for s in steps):
         searching = [i for i, s in enumerate(steps) if s is not None and s[1] is not None]
         observations = tool.observe([steps[i][1] for i in searching])
-        obs_of = dict(zip(searching, observations))
+        obs_of = dict(zip(searching, observations, strict=True))
         for i, step in enumerate(steps):
             if step is None:
                 continue
@@ -260,9 +261,10 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
             else:
                 steps[i] = agents[i].send(tok.decode(obs, skip_special_tokens=True))
     out = []
-    for b, kind in zip(builders, kinds):
+    for b, kind in zip(builders, kinds, strict=True):
         traj = b.build()
-        s = score_response(tok.decode(traj.response_ids(), skip_special_tokens=True), b.golden_answers, "a2tgpo", training=True)
+        s = score_response(tok.decode(traj.response_ids(), skip_special_tokens=True),
+                           b.golden_answers, "a2tgpo", training=True)
         out.append(dataclasses.replace(traj, reward=s.reward, extra={
             "kind": kind, "em": s.em, "format_ok": s.format_ok}))
     return out

@@ -176,20 +176,21 @@ def naive(ig_BK, ig_mask_BK, num_turns_B, outcome_B, group_B, ig_norm, outcome_m
         cells = [(b, k) for b in members for k in range(K) if has[b][k]]
         if ig_norm == "joint":
             zs = z([float(ig_BK[b, k]) for b, k in cells] + [float(outcome_B[b]) for b in members])
-            for (b, k), v in zip(cells, zs):
+            # strict=False: zs is the cells' z-scores then the members'; this takes the first part
+            for (b, k), v in zip(cells, zs, strict=False):
                 ig_hat[b][k] = v
-            for b, v in zip(members, zs[len(cells):]):
+            for b, v in zip(members, zs[len(cells):], strict=True):
                 r_hat[b] = v
             continue
-        for b, v in zip(members, z([float(outcome_B[b]) for b in members])):
+        for b, v in zip(members, z([float(outcome_B[b]) for b in members]), strict=True):
             r_hat[b] = v
         if ig_norm == "separate":
-            for (b, k), v in zip(cells, z([float(ig_BK[b, k]) for b, k in cells])):
+            for (b, k), v in zip(cells, z([float(ig_BK[b, k]) for b, k in cells]), strict=True):
                 ig_hat[b][k] = v
         elif ig_norm == "turn_group":
             for k in range(K):
                 col = [(b, kk) for b, kk in cells if kk == k]
-                for (b, kk), v in zip(col, z([float(ig_BK[b, kk]) for b, kk in col])):
+                for (b, kk), v in zip(col, z([float(ig_BK[b, kk]) for b, kk in col]), strict=True):
                     ig_hat[b][kk] = v
         else:
             for b, k in cells:
@@ -305,7 +306,8 @@ def test_clip_scale_bounds_and_monotone():
 
 
 def test_appendix_d_pooled_vs_turn_group_position_means():
-    """Position-dependent IG means: a pooled z-score keeps a per-position bias, turn-groups don't."""
+    """Position-dependent IG means: a pooled z-score keeps a per-position bias, turn-groups
+    don't."""
     g = torch.Generator().manual_seed(0)
     n_groups, G, K = 200, 8, 4
     B = n_groups * G
@@ -375,7 +377,7 @@ def test_anchor_clusters_greedy_first_match():
 
 def test_gigpo_vs_naive_random():
     rnd = random.Random(0)
-    for seed in range(5):
+    for _ in range(5):
         B = 12
         T = [rnd.randint(1, 4) for _ in range(B)]
         groups = [b // 4 for b in range(B)]
@@ -396,7 +398,7 @@ def test_gigpo_vs_naive_random():
             pool = [R[c] for c in range(B) if groups[c] == groups[b] for _ in range(T[c])]
             ae = z(pool, R[b])
             for k in range(T[b]):
-                ret = lambda c, j: 0.9 ** (T[c] - 1 - j) * R[c]  # noqa: E731
+                ret = lambda c, j, T=T, R=R: 0.9 ** (T[c] - 1 - j) * R[c]  # noqa: E731
                 cl = [ret(c, j) for c in range(B) if groups[c] == groups[b]
                       for j in range(T[c]) if anchors[c][j] == anchors[b][k]]
                 a_s = 0.0 if len(cl) <= 1 else z(cl, ret(b, k))

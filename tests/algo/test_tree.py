@@ -69,7 +69,7 @@ def naive_values(parent, entropy, reward, tree, mode, leaf_norm, eps=EPS):
             w = hs
         else:  # child_mean, and the linear rule's fallback when Σ H = 0
             w = [1.0] * len(hs)
-        return sum(wi * v for wi, v in zip(w, vals)) / sum(w)
+        return sum(wi * v for wi, v in zip(w, vals, strict=True)) / sum(w)
 
     return [value(n) for n in range(len(parent))]
 
@@ -238,7 +238,7 @@ def test_hand_tree_turn_lists():
     turns = leaf_turn_advantages(A_N=torch.tensor(HAND_A_MEAN["diff_parent"], dtype=F64),
                                  parent_N=PARENT)
     assert len(turns) == 3
-    for got, want in zip(turns, [[0.75], [-0.75, -0.5], [-0.75, 0.5]]):
+    for got, want in zip(turns, [[0.75], [-0.75, -0.5], [-0.75, 0.5]], strict=True):
         close(got, want)
 
 
@@ -295,7 +295,7 @@ def test_tree_grpo_random_against_naive_and_identities():
         zp = naive_verl_z(rewards, prompts)
         zt = naive_verl_z(rewards, trees)
         close(tree_grpo_advantages(reward_L=r, tree_L=tl, prompt_L=pl),
-              [a + b for a, b in zip(zp, zt)])
+              [a + b for a, b in zip(zp, zt, strict=True)])
         two = tree_grpo_advantages(reward_L=r, tree_L=tl, prompt_L=pl, mode="two_stage")
         close(two, naive_verl_z(zp, trees))
         # Identity documented in the module: for a tree of >= 2 leaves, z_tree(z_prompt(r)) =
@@ -349,7 +349,7 @@ def test_vectorised_matches_naive_on_random_forests():
                     close(A, A_ref)
                     turns = leaf_turn_advantages(A_N=A, parent_N=par)
                     assert [len(x) for x in turns] == depth
-                    for got, path in zip(turns, naive_paths(parent)):
+                    for got, path in zip(turns, naive_paths(parent), strict=True):
                         close(got, [A_ref[n] for n in path])
 
 
@@ -416,7 +416,8 @@ def test_diff_parent_telescopes_along_each_path():
     V = at2po_node_values(parent_N=par, entropy_N=H, leaf_reward_N=r, tree_N=t,
                           value_mode="child_softmax")
     A = at2po_node_advantages(V_N=V, parent_N=par, tree_N=t, adv_mode="diff_parent")
-    for turns, path in zip(leaf_turn_advantages(A_N=A, parent_N=par), naive_paths(parent)):
+    for turns, path in zip(leaf_turn_advantages(A_N=A, parent_N=par), naive_paths(parent),
+                           strict=True):
         root = parent[path[0]]
         close(turns.sum(), V[path[-1]] - V[root])
 

@@ -21,8 +21,8 @@ TEST_SETS = {"ts": ("single_hop", 5), "tm": ("multi_hop", 3)}  # name: (group, q
 def _script(answer: str) -> tuple[str, str]:
     # the two actions, written like the warm-start demonstrations (a2tgpo/train/sft.py)
     return (f"<think> look it up </think> <search> {SCRIPT_QUERY} </search>",
-            f" <think> found </think> <answer> The final answer is \\[ \\boxed{{{answer}}} \\] "
-            "</answer>")
+            (f" <think> found </think> <answer> The final answer is \\[ \\boxed{{{answer}}} \\] "
+             "</answer>"))
 
 
 @pytest.fixture(scope="session")

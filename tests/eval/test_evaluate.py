@@ -162,7 +162,7 @@ def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
         preds = read_jsonl(out / f"{name}.predictions.jsonl")
         assert len(preds) == n == len(rows)
         assert [p["id"] for p in preds] == [r["id"] for r in rows]
-        for p, r in zip(preds, rows):
+        for p, r in zip(preds, rows, strict=True):
             # the model was fitted to one script: it searched once and answered `answer`
             assert p["prediction"] == answer and p["queries"] == [toy_cell.query]
             assert p["tool_calls"] == 1 and p["stop"] == "answer"

@@ -11,7 +11,7 @@ def _cell(runs, track, datasets, seed=1):
     cell = runs / "backbone~b" / f"data~{track}" / "method~grpo" / "beta~0" / f"seed~{seed}"
     (cell / "eval").mkdir(parents=True)
     groups = {}
-    for name, (n, em, group) in datasets.items():
+    for _name, (n, em, group) in datasets.items():
         g = groups.setdefault(group, {"n": 0, "em": 0.0, "f1": 0.0})
         g["em"] = (g["em"] * g["n"] + em * n) / (g["n"] + n)
         g["f1"] = g["em"]

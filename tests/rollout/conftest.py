@@ -48,7 +48,7 @@ class ScriptedEngine:
         self.calls.append([list(p) for p in prompts])
         seeds = seeds or [0] * len(prompts)
         out = []
-        for p, seed in zip(prompts, seeds):
+        for p, seed in zip(prompts, seeds, strict=True):
             text = self.tok.decode(p)
             user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
             turn = text.split("<|im_start|>assistant\n", 1)[1].count("</result>") \

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from conftest import FixedRetriever
 
 from a2tgpo.retrieval.retriever import format_passages
 from a2tgpo.rollout.agent import (
@@ -16,8 +17,6 @@ from a2tgpo.rollout.agent import (
 )
 from a2tgpo.rollout.prompts import SEARCH_R1_INVALID
 from a2tgpo.rollout.trajectory import collate
-
-from conftest import FixedRetriever
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400)
 QS = [Question("q1", "Who directed Foo", ("Bar",)), Question("q2", "Where is Baz", ("Qux",))]

@@ -45,7 +45,7 @@ def test_max_tokens_and_eos(engine):
 def test_greedy_and_logprobs_match_a_plain_forward(engine, model_tok):
     model, _ = model_tok
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, greedy=True))
-    for p, g in zip(PROMPTS, out):
+    for p, g in zip(PROMPTS, out, strict=True):
         ids = torch.tensor([p + list(g.token_ids)])
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
@@ -95,8 +95,8 @@ def test_update_weights(model_tok):
     ref = HfEngine(model, tok)
     model.load_state_dict(sd)
     try:
-        assert after.token_ids == ref.generate(PROMPTS[:1],
-                                               SamplingParams(max_tokens=10, greedy=True))[0].token_ids
+        assert after.token_ids == ref.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=10, greedy=True))[0].token_ids
         assert after.token_ids != before.token_ids
     finally:
         model.load_state_dict({k: v / 1.5 for k, v in sd.items()})

@@ -28,6 +28,6 @@ def test_kv_equals_naive_on_gpu(dtype, atol):
         probes.append((torch.randint(5, 1000, (12,), generator=g).tolist(), (4, 8)))
     fast, _, _ = score_gold_logprobs(model, trajs, probes, method="kv", batch_size=4)
     slow, _, _ = score_gold_logprobs(model, trajs, probes, method="naive", batch_size=4)
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow, strict=True):
         assert len(a) == len(b)
-        assert max(abs(x - y) for x, y in zip(a, b)) < atol
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < atol

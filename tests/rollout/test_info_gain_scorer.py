@@ -81,7 +81,7 @@ def reference_value(model, ids, probe):
 
 def assert_values_close(a, b):
     assert [len(r) for r in a] == [len(r) for r in b]
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         assert ra == pytest.approx(rb, abs=ATOL, rel=0)
 
 
@@ -130,7 +130,7 @@ def test_kv_equals_naive_and_reference(toy, batch):
     assert [len(v) for v in kv] == [len(points) for _, points in trajs]
     assert_values_close(kv, naive)
     ref = [[reference_value(model, ids[:p], probe) for p in points]
-           for (ids, points), probe in zip(trajs, probes)]
+           for (ids, points), probe in zip(trajs, probes, strict=True)]
     assert_values_close(kv, ref)
     assert all(v < 0 for row in kv for v in row)
 
@@ -152,7 +152,7 @@ def test_fused_token_logprobs_are_a_plain_forward(toy, batch):
     _, model, _, _ = toy
     trajs, probes = batch
     _, lps, _ = score_gold_logprobs(model, trajs, probes, batch_size=3)
-    for (ids, _), lp in zip(trajs, lps):
+    for (ids, _), lp in zip(trajs, lps, strict=True):
         seq = torch.tensor([ids])
         with torch.no_grad():
             logp = model(input_ids=seq).logits[0, :-1].log_softmax(-1)
@@ -165,15 +165,17 @@ def test_token_counts(toy, batch):
     _, model, _, _ = toy
     trajs, probes = batch
     L = sum(len(ids) for ids, _ in trajs)
-    Ta = sum(len(points) * len(p.ids) for (_, points), p in zip(trajs, probes))
-    naive_tokens = sum(P + len(p.ids) for (_, points), p in zip(trajs, probes) for P in points)
+    Ta = sum(len(points) * len(p.ids) for (_, points), p in zip(trajs, probes, strict=True))
+    naive_tokens = sum(P + len(p.ids) for (_, points), p in zip(trajs, probes, strict=True)
+                       for P in points)
     _, _, kv = score_gold_logprobs(model, trajs, probes, batch_size=6)
     assert kv["trajectory_tokens"] == L and kv["ig_tokens"] == Ta
     assert kv["tokens_processed"] == L + Ta
     assert kv["probe_points"] == 16
     # one trajectory forward, one probe forward; both right-padded to their longest row
     assert kv["forwards"] == 2
-    longest_probes = max(len(points) * len(p.ids) for (_, points), p in zip(trajs, probes))
+    longest_probes = max(len(points) * len(p.ids)
+                         for (_, points), p in zip(trajs, probes, strict=True))
     assert kv["padded_tokens"] == 6 * max(len(ids) for ids, _ in trajs) + 6 * longest_probes
     _, _, kv4 = score_gold_logprobs(model, trajs, probes, batch_size=4)
     assert kv4["tokens_processed"] == L + Ta and kv4["forwards"] == 4

@@ -8,13 +8,12 @@ import re
 from collections import defaultdict
 
 import pytest
+from conftest import FixedRetriever
 
 from a2tgpo.algo import turn_advantages
 from a2tgpo.algo.methods import RolloutShapeConfig
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool
 from a2tgpo.rollout.trees import at2po_select, rollout_aepo, rollout_at2po, rollout_tree_grpo
-
-from conftest import FixedRetriever
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=900, max_obs_tokens=60)
 QS = [Question("q1", "Who directed Foo", ("a1",)), Question("q2", "Where is Baz", ("a2",))]
@@ -79,7 +78,7 @@ def check_forest(trajs):
             if other.tree.nodes[-1] == node and p.nodes[-1] == node:
                 continue  # two trajectories at one leaf: caught below
             # a shared node: the same turn objects (hence ids) all the way to the root
-            assert all(a is b for a, b in zip(t.turns[:j], other.turns[:j]))
+            assert all(a is b for a, b in zip(t.turns[:j], other.turns[:j], strict=True))
             assert other_turn is turn and t.prefix_ids(j) == other.prefix_ids(j)
         assert (p.tree, p.nodes[-1]) not in leaves
         leaves.add((p.tree, p.nodes[-1]))
@@ -245,7 +244,7 @@ def test_aepo_reaches_n_and_branches_more_when_entropy_rises(scripted, toy_token
                 j, k = t.extra["aepo_parent"], t.extra["aepo_shared_turns"]
                 if j is not None:  # a copy shares its source's turns (the same objects)
                     assert 0 < k < len(t.turns) and j < pos
-                    assert all(a is b for a, b in zip(t.turns[:k], group[j].turns[:k]))
+                    assert all(a is b for a, b in zip(t.turns[:k], group[j].turns[:k], strict=True))
         copies = [(group[t.extra["aepo_parent"]], t) for i in range(0, len(trajs), 16)
                   for group in [trajs[i:i + 16]] for t in group
                   if t.extra["aepo_parent"] is not None]

@@ -120,14 +120,14 @@ def test_seeds_reproduce_and_differ(engine, prompts):
     alone = engine.generate(prompts[1:2], params, seeds=[6])[0]
     assert alone.token_ids == a[1].token_ids
     c = engine.generate(prompts, params, seeds=[105, 106, 107])
-    assert all(x.token_ids != y.token_ids for x, y in zip(a, c))
+    assert all(x.token_ids != y.token_ids for x, y in zip(a, c, strict=True))
 
 
 def test_greedy_matches_hf(engine, backbone, prompts):
     model = backbone[2]
     gens = engine.generate(prompts, SamplingParams(max_tokens=10, greedy=True))
     agreed = sum(assert_greedy_agrees(model, p, g.token_ids, min_agree=3)
-                 for p, g in zip(prompts, gens))
+                 for p, g in zip(prompts, gens, strict=True))
     assert agreed >= 20
 
 
@@ -136,7 +136,7 @@ def test_logprobs_are_raw_hf_logprobs(engine, backbone, prompts, temperature, to
     # raw_logprobs: the model's own distribution, before temperature and top-p
     model = backbone[2]
     params = SamplingParams(max_tokens=20, temperature=temperature, top_p=top_p)
-    for p, g in zip(prompts, engine.generate(prompts, params, seeds=[21, 22, 23])):
+    for p, g in zip(prompts, engine.generate(prompts, params, seeds=[21, 22, 23]), strict=True):
         ref = hf_logprobs(model, p, g.token_ids)[torch.arange(len(g.token_ids)),
                                                  torch.tensor(g.token_ids)]
         torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=1e-3, rtol=0)

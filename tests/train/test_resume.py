@@ -30,8 +30,8 @@ KILL_AFTER = 2  # steps saved before the kill (a checkpoint every step)
 
 
 def _command(cfg_path):
-    return [sys.executable, "-c", "import sys; from a2tgpo.cli import main; "
-            "sys.exit(main(sys.argv[1:]))", "train", str(cfg_path)]
+    return [sys.executable, "-c", ("import sys; from a2tgpo.cli import main; "
+                                   "sys.exit(main(sys.argv[1:]))"), "train", str(cfg_path)]
 
 
 def _env():

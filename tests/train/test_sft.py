@@ -103,9 +103,9 @@ def test_demonstrations_are_well_formed(demos, questions, tokenizer):
     assert [d.question_id for d in demos] == [q.id for q in questions]
     kinds = [d.extra["kind"] for d in demos]
     assert sum(k != "perfect" for k in kinds) == round(0.25 * len(demos))  # exactly the share
-    for d, q in zip(demos, questions):
-        s = score_response(tokenizer.decode(d.response_ids(), skip_special_tokens=True), q.golden_answers, "a2tgpo",
-                           training=True)
+    for d, q in zip(demos, questions, strict=True):
+        s = score_response(tokenizer.decode(d.response_ids(), skip_special_tokens=True),
+                           q.golden_answers, "a2tgpo", training=True)
         assert s.format_ok, tokenizer.decode(d.response_ids(), skip_special_tokens=True)
         assert d.extra["em"] == s.em and d.reward == s.reward
         assert [t.stop for t in d.turns] == ["search"] * (len(d.turns) - 1) + ["answer"]

@@ -145,7 +145,7 @@ def igpo_expected():
     for q in ((0, 1, 2), (3, 4, 5)):
         pool = [v for b in q for v in ig[b] if v is not None] + [reward[b] for b in q]
         mu, sd = statistics.fmean(pool), statistics.pstdev(pool)
-        z = lambda x: (x - mu) / (sd + EPS)  # noqa: E731
+        z = lambda x, mu=mu, sd=sd: (x - mu) / (sd + EPS)  # noqa: E731
         for b in q:
             igs = [0.0 if v is None else z(v) for v in ig[b]]  # turns without IG add nothing
             adv.append([sum(igs[k:]) + z(reward[b]) for k in range(len(igs))] + [z(reward[b])])
