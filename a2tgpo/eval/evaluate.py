@@ -49,8 +49,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from a2tgpo.eval.select import read_best, step_dir_name
+from tqdm import tqdm
+
+from a2tgpo.config import load_config
+from a2tgpo.data.qa import load_split
+from a2tgpo.eval.select import complete_checkpoints, read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
+from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.retrieval.retriever import build_retriever
+from a2tgpo.rollout.agent import SearchTool
 from a2tgpo.rollout.runner import (
     GREEDY_SEED,
     make_engine,
@@ -59,7 +66,7 @@ from a2tgpo.rollout.runner import (
     rollout,
     score,
 )
-from a2tgpo.tracking import SUMMARY_FILE
+from a2tgpo.tracking import SUMMARY_FILE, Tracker
 from a2tgpo.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -93,8 +100,6 @@ def load_test_sets(paths: Sequence[str | Path]) -> list[EvalDataset]:
     a file mixes groups, a group is called "all", two files share a stem, or an id repeats
     across files (questions are matched to predictions by id).
     """
-    from a2tgpo.data.qa import load_split
-
     if not paths:
         raise ValueError("no test files given")
     sets: list[EvalDataset] = []
@@ -160,8 +165,6 @@ def load_policy(cfg: TrainConfig, model_dir: str | Path, *, max_batch: int | Non
     starting vLLM costs far more than loading the weights. `max_batch`: rows per forward of
     the hf engine; None = CPU_MAX_BATCH on CPU, the engine's default on GPU.
     """
-    from a2tgpo.model.backbone import load_model, load_tokenizer
-
     backbone = dataclasses.replace(cfg.backbone, path=str(model_dir), revision=None)
     cfg = dataclasses.replace(cfg, backbone=backbone)
     tok = load_tokenizer(backbone)
@@ -198,8 +201,6 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
             chunk: int = DEFAULT_CHUNK, progress: bool = True) -> dict[str, list[dict]]:
     """Greedy rollouts of every question of every set, scored; dataset -> prediction rows
     (file order). All sets' questions are pooled into rollout calls of `chunk` questions."""
-    from tqdm import tqdm
-
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     items = [(s.name, r) for s in test_sets for r in s.rows]
@@ -264,8 +265,6 @@ def evaluate_checkpoint(cfg: TrainConfig, model_dir: str | Path, test_sets: Sequ
 
     Returns (summary, engine, timing); the engine can be handed to the next call (vLLM reuse).
     """
-    from a2tgpo.rollout.agent import SearchTool
-
     t0 = time.perf_counter()
     ccfg, tok, engine = load_policy(cfg, model_dir, max_batch=max_batch, engine=engine)
     tool = SearchTool(retriever, tok, cfg.rollout)
@@ -296,8 +295,6 @@ def tracked_metrics(summary: dict, prefix: str = "test") -> dict[str, float]:
 def _track(cell: Path, cfg: TrainConfig, out_dir: Path, tags: dict, fn) -> None:
     """Run `fn(tracker)` in a Tracker attached to the cell's run; never raises."""
     try:
-        from a2tgpo.tracking import Tracker
-
         with Tracker.attach(cell, cfg.tracking, results_dir=cfg.results_dir,
                             out_dir=out_dir / TRACKING_SUBDIR, tags=tags) as tracker:
             fn(tracker)
@@ -319,8 +316,6 @@ def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
 
 
 def _retriever(cfg: TrainConfig):
-    from a2tgpo.retrieval.retriever import build_retriever
-
     return build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
 
 
@@ -363,8 +358,6 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
     A step whose summary.json already holds the same checkpoint and test sets is kept (a
     rerun after a kill continues where it stopped). Returns ({step: summary}, a report line).
     """
-    from a2tgpo.eval.select import complete_checkpoints
-
     cell, out = Path(cfg.run_dir), Path(out_dir)
     ckpts = complete_checkpoints(cell)
     if not ckpts:
@@ -414,8 +407,6 @@ def main(config_path: str, overrides: Sequence[str], *, test: Sequence[str], out
          best: str | None = None, all_checkpoints: bool = False, section: str | None = None,
          chunk: int = DEFAULT_CHUNK, max_batch: int | None = None) -> int:
     """CLI entry (`a2tgpo evaluate`): exactly one of `best` / `all_checkpoints`."""
-    from a2tgpo.config import load_config
-
     if (best is None) == (not all_checkpoints):
         raise ValueError("give exactly one of --best and --all-checkpoints")
     cfg = load_config(TrainConfig, config_path, overrides, section=section)
