@@ -51,15 +51,19 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_engine(cfg: TrainConfig, model, tok):
+def make_engine(cfg: TrainConfig, model, tok, devices: tuple[int, ...] | None = None):
     """The rollout engine of `cfg.engine`: the hf engine samples from `model` itself; vLLM
-    loads the backbone and receives weights by `update_weights`."""
+    loads the backbone, on the local GPUs `devices` (None: as vLLM picks them; tensor parallel
+    over `cfg.rollout_tp` of them), and receives weights by `update_weights`."""
     if cfg.engine == "hf":
         return HfEngine(model, tok)
     from a2tgpo.rollout.vllm_engine import VllmEngine  # optional, GPU nodes
 
     return VllmEngine(cfg.backbone.path, max_model_len=cfg.backbone.max_model_len,
-                      seed=cfg.seed)
+                      seed=cfg.seed, gpu_memory_utilization=cfg.engine_memory_share,
+                      enable_sleep_mode=cfg.engine_sleep, devices=devices,
+                      kv_cache_space_gb=cfg.engine_kv_cache_gb,
+                      tensor_parallel_size=cfg.rollout_tp)
 
 
 def rollout(cfg: TrainConfig, questions: list[Question], engine, tool: SearchTool, *,

@@ -162,10 +162,12 @@ class TrajectoryBuilder:
 class Batch:
     """Right-padded training tensors of B trajectories.
 
-    input_ids, attention_mask, loss_mask, turn_id, position_ids: (B, L); loss_mask is 1
-    exactly on sampled tokens; turn_id is the 0-based turn of a sampled token and −1 on prompt,
-    observation and padding. turn_mask (B, K): turn k exists; tool_call (B, K): turn k ended
-    with a tool call. prompt_lengths (B,), group_ids: one label per row.
+    input_ids, attention_mask, loss_mask, turn_id, position_ids, rollout_logprobs: (B, L);
+    loss_mask is 1 exactly on sampled tokens; turn_id is the 0-based turn of a sampled token and
+    −1 on prompt, observation and padding; rollout_logprobs is the engine's log-prob of each
+    sampled token (0 elsewhere), to compare with the trainer's. turn_mask (B, K): turn k
+    exists; tool_call (B, K): turn k ended with a tool call. prompt_lengths (B,), group_ids:
+    one label per row.
     """
 
     input_ids: torch.Tensor
@@ -173,6 +175,7 @@ class Batch:
     loss_mask: torch.Tensor
     turn_id: torch.Tensor
     position_ids: torch.Tensor
+    rollout_logprobs: torch.Tensor
     turn_mask: torch.Tensor
     tool_call: torch.Tensor
     prompt_lengths: torch.Tensor
@@ -200,16 +203,19 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     attention = torch.zeros(B, L, dtype=torch.long)
     loss_mask = torch.zeros(B, L, dtype=torch.long)
     turn_id = torch.full((B, L), -1, dtype=torch.long)
+    logprobs = torch.zeros(B, L, dtype=torch.float32)
     turn_mask = torch.zeros(B, K, dtype=torch.bool)
     tool_call = torch.zeros(B, K, dtype=torch.bool)
     for b, traj in enumerate(trajectories):
         ids = list(traj.prompt_ids)
         mask = [0] * len(ids)
         tid = [-1] * len(ids)
+        lp = [0.0] * len(ids)
         for k, turn in enumerate(traj.turns):
             ids += turn.action_ids + turn.obs_ids
             mask += [1] * len(turn.action_ids) + [0] * len(turn.obs_ids)
             tid += [k] * len(turn.action_ids) + [-1] * len(turn.obs_ids)
+            lp += list(turn.action_logprobs) + [0.0] * len(turn.obs_ids)
             turn_mask[b, k] = True
             tool_call[b, k] = turn.stop == "search"
         n = len(ids)
@@ -217,11 +223,12 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         attention[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(mask)
         turn_id[b, :n] = torch.tensor(tid)
+        logprobs[b, :n] = torch.tensor(lp)
         sampled = sum(len(t.action_ids) for t in traj.turns)
         if int(loss_mask[b].sum()) != sampled:
             raise AssertionError(f"{traj.question_id}: loss mask covers {int(loss_mask[b].sum())} "
                                  f"tokens but {sampled} were sampled")
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return Batch(input_ids, attention, loss_mask, turn_id, position_ids, turn_mask, tool_call,
-                 torch.tensor([len(t.prompt_ids) for t in trajectories]),
+    return Batch(input_ids, attention, loss_mask, turn_id, position_ids, logprobs, turn_mask,
+                 tool_call, torch.tensor([len(t.prompt_ids) for t in trajectories]),
                  [t.group_id for t in trajectories])

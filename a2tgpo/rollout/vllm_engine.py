@@ -56,6 +56,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,15 +96,17 @@ class VllmEngine:
     `dtype="auto"` means bfloat16 on GPU and float32 on CPU, as for the trainer's backbone
     (vLLM's own "auto" would turn a float32 config into float16). `kv_cache_space_gb` fixes
     the KV cache size; unset, vLLM takes a fraction of the machine's RAM on CPU and
-    `gpu_memory_utilization` of the GPU's memory on GPU. Other keyword arguments go to
-    `vllm.LLM` unchanged (e.g. `revision`, `tensor_parallel_size`).
+    `gpu_memory_utilization` of the GPU's memory on GPU. `devices`: the trainer's local GPU
+    indices the engine runs on (see `_visible_gpus`); None = vLLM's own choice. Other keyword
+    arguments go to `vllm.LLM` unchanged (e.g. `revision`, `tensor_parallel_size`).
     """
 
     def __init__(self, model_path: str, *, max_model_len: int, dtype: Dtype = "auto",
                  gpu_memory_utilization: float = 0.5, seed: int = 0,
-                 enforce_eager: bool = False, enable_sleep_mode: bool = False,
+                 enforce_eager: bool | None = None, enable_sleep_mode: bool = False,
                  kv_cache_space_gb: float | None = None,
-                 weight_chunk_bytes: int = GiB, **llm_kwargs: Any):
+                 weight_chunk_bytes: int = GiB, devices: tuple[int, ...] | None = None,
+                 **llm_kwargs: Any):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -112,18 +117,20 @@ class VllmEngine:
         self.weight_chunk_bytes = weight_chunk_bytes
         self.asleep = False
         kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
-        self.llm = LLM(
-            model=str(model_path),
-            dtype=resolve_dtype(dtype, device),
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_bytes,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=self.sleep_enabled,
-            worker_extension_cls=f"{__name__}.{VllmWorkerExtension.__qualname__}",
-            **llm_kwargs,
-        )
+        with _visible_gpus(devices if device == "cuda" else None):
+            self.llm = LLM(
+                model=str(model_path),
+                dtype=resolve_dtype(dtype, device),
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_bytes,
+                seed=seed,
+                # eager on CPU: compiling the graphs costs more start-up than it saves there
+                enforce_eager=device == "cpu" if enforce_eager is None else enforce_eager,
+                enable_sleep_mode=self.sleep_enabled,
+                worker_extension_cls=f"{__name__}.{VllmWorkerExtension.__qualname__}",
+                **llm_kwargs,
+            )
 
     # -- Engine protocol --------------------------------------------------------------------
 
@@ -209,6 +216,28 @@ class VllmEngine:
                          for tok, pos in zip(ids, completion.logprobs, strict=True))
         reason, stop_string = _stop_reason(completion.finish_reason, completion.stop_reason)
         return Generation(ids, logprobs, reason, stop_string)
+
+
+@contextmanager
+def _visible_gpus(devices: tuple[int, ...] | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES for the engine-core process vLLM spawns while the `LLM` starts:
+    the trainer's local GPUs `devices`, mapped through the trainer's own list (the DeepSpeed
+    launcher shows every rank all of the node's GPUs, so without this every rank's engine
+    would start on GPU 0). The trainer process, already on its device, is not affected."""
+    if devices is None:
+        yield
+        return
+    from a2tgpo.train.distributed import visible_devices
+
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, before)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _stop_reason(finish_reason: str | None, stop_reason: int | str | None

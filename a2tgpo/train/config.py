@@ -62,6 +62,19 @@ class TrainSettings:
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage (1 or 2; backend deepspeed).")
     ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+    rollout_tp: int = option(
+        1, "engine vllm: ranks (GPUs) per rollout engine, tensor parallel; the first rank of "
+        "each group runs the group's rollouts (1 = one engine per rank).")
+    engine_memory_share: float = option(
+        0.6, "engine vllm: share of its GPUs' memory the engine takes (vLLM "
+        "gpu_memory_utilization; the released A2TGPO/AT2PO scripts: 0.6).")
+    engine_kv_cache_gb: float | None = option(
+        None, "engine vllm: fixed KV cache size in GiB; null = vLLM's own (the memory share on "
+        "GPU, its CPU default on CPU).")
+    engine_sleep: bool = option(
+        True, "engine vllm: release the engine's memory (vLLM sleep level 1) during the "
+        "log-prob passes and the update, wake it for rollouts; a no-op where vLLM has no sleep "
+        "mode (CPU).")
 
     def __post_init__(self) -> None:
         if self.zero_stage == 3:
@@ -71,6 +84,11 @@ class TrainSettings:
                              "full parameters on every rank); use zero_stage 1 or 2")
         if self.zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.rollout_tp < 1:
+            raise ValueError(f"rollout_tp must be >= 1, got {self.rollout_tp}")
+        if not 0 < self.engine_memory_share <= 1:
+            raise ValueError(f"engine_memory_share must be in (0, 1], got "
+                             f"{self.engine_memory_share}")
 
 
 @dataclass(frozen=True, kw_only=True)

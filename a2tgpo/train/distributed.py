@@ -117,6 +117,10 @@ class Backend(Protocol):
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full weights as CPU tensors on the main rank, None on the others."""
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own full weights, where they live (no copy): what its rollout engine
+        receives. ZeRO-1/2 keep the full parameters on every rank."""
+
     def save_state(self, directory: str | Path) -> None:
         """Optimizer state into an existing `directory` (DeepSpeed: with its fp32 weights)."""
 
@@ -137,6 +141,7 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int
     backend: str  # torch.distributed backend: "gloo" (CPU) or "nccl" (GPU)
     device: torch.device
 
@@ -163,30 +168,84 @@ def _free_port() -> int:
 
 
 def launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for this process.
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT for this
+    process.
 
-    Taken as they are when the launcher set RANK (`deepspeed`, `torchrun`). Otherwise from
+    Taken as they are when the launcher set RANK (`deepspeed`, `torchrun`; the ranks per node
+    from torchrun's LOCAL_WORLD_SIZE or the deepspeed launcher's LOCAL_SIZE). Otherwise from
     SLURM (`srun`): SLURM_PROCID -> RANK, SLURM_NTASKS -> WORLD_SIZE, SLURM_LOCALID ->
-    LOCAL_RANK, the first host of SLURM_JOB_NODELIST -> MASTER_ADDR and a port derived from
-    SLURM_JOB_ID -> MASTER_PORT; MASTER_ADDR / MASTER_PORT already in the environment win.
-    With neither: one process on 127.0.0.1 with a free port.
+    LOCAL_RANK, SLURM_NTASKS_PER_NODE (or tasks / nodes) -> LOCAL_WORLD_SIZE, the first host
+    of SLURM_JOB_NODELIST -> MASTER_ADDR and a port derived from SLURM_JOB_ID -> MASTER_PORT;
+    MASTER_ADDR / MASTER_PORT already in the environment win. With neither: one process on
+    127.0.0.1 with a free port.
     """
     env = dict(os.environ if environ is None else environ)
     if "RANK" in env:
         out = {"RANK": env["RANK"], "WORLD_SIZE": env.get("WORLD_SIZE", "1"),
                "LOCAL_RANK": env.get("LOCAL_RANK", "0")}
+        out["LOCAL_WORLD_SIZE"] = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") \
+            or out["WORLD_SIZE"]
     elif "SLURM_PROCID" in env:
         out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
                "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # e.g. "8(x2)"
+        nodes = max(1, int(env.get("SLURM_NNODES", "1")))
+        out["LOCAL_WORLD_SIZE"] = per_node or str(max(1, int(out["WORLD_SIZE"]) // nodes))
         env.setdefault("MASTER_ADDR", _first_slurm_host(env.get("SLURM_JOB_NODELIST",
                                                                 "127.0.0.1")))
         job = int(env.get("SLURM_JOB_ID", "0"))
         env.setdefault("MASTER_PORT", str(SLURM_PORT_BASE + job % SLURM_PORT_RANGE))
     else:
-        out = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        out = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     out["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
     out["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
     return out
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where a rank's rollout engine runs and which share of the rollouts it makes.
+
+    Ranks form tensor-parallel groups of `tp` consecutive ranks on one node; the group's first
+    rank hosts the engine, on the group's GPUs, and rolls out the group's share (question
+    `group` of every `n_groups`); the other ranks of the group roll out nothing.
+    """
+
+    hosts_engine: bool
+    group: int
+    n_groups: int
+    devices: tuple[int, ...]  # the engine's GPUs as local indices (empty off the host rank)
+
+    def share(self, items: list) -> list:
+        """This rank's items of a list every rank holds in the same order."""
+        return items[self.group::self.n_groups] if self.hosts_engine else []
+
+
+def engine_placement(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
+                     tp: int) -> EnginePlacement:
+    """The placement of rank `rank` (local rank `local_rank` of `local_world_size` on its node)
+    for engines of `tp` GPUs each. A group never spans two nodes."""
+    if tp < 1 or local_world_size % tp or world_size % local_world_size:
+        raise ValueError(f"rollout_tp={tp} must divide the ranks per node ({local_world_size}), "
+                         f"and those the world size ({world_size})")
+    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size):
+        raise ValueError(f"rank {rank} / local rank {local_rank} outside world {world_size} / "
+                         f"node {local_world_size}")
+    host = local_rank % tp == 0
+    return EnginePlacement(hosts_engine=host, group=rank // tp, n_groups=world_size // tp,
+                           devices=tuple(range(local_rank, local_rank + tp)) if host else ())
+
+
+def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine process on local GPUs `devices`, given the trainer's
+    own CUDA_VISIBLE_DEVICES (`parent`, None = all GPUs visible): local index i is the i-th
+    entry of the parent's list."""
+    if parent is None or not parent.strip():
+        return ",".join(map(str, devices))
+    ids = [d.strip() for d in parent.split(",") if d.strip()]
+    if max(devices, default=-1) >= len(ids):
+        raise ValueError(f"engine devices {devices} beyond CUDA_VISIBLE_DEVICES={parent!r}")
+    return ",".join(ids[i] for i in devices)
 
 
 def use_gpu() -> bool:
@@ -213,6 +272,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local,
+                    local_world_size=int(env["LOCAL_WORLD_SIZE"]),
                     backend=dist.get_backend(), device=device)
 
 
@@ -272,6 +332,9 @@ class SingleBackend:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return _cpu_copy(self._model.state_dict())
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._model.state_dict()
 
     def save_state(self, directory: str | Path) -> None:
         """`directory/optimizer.pt`: the optimizer's state_dict."""
@@ -428,6 +491,11 @@ class DeepSpeedBackend:
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return _cpu_copy(state) if self.is_main else None
         return _cpu_copy(self.engine.module.state_dict()) if self.is_main else None
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:
+            raise RuntimeError("ZeRO-3 ranks hold parameter shards, not full weights")
+        return self.engine.module.state_dict()
 
     def save_state(self, directory: str | Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, save_latest=False)

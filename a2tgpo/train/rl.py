@@ -13,12 +13,15 @@ logs and checkpoints on schedule. One step, as `train_step` reads (the papers' v
      broadcast to tokens by turn id
   8. ppo_epochs x mini-batches x micro-batches, losses with the mini-batch's global
      denominators, one optimizer update per mini-batch (a2tgpo/train/update.py)
-  9. weights to the rollout engine
+  9. weights to the rollout engines: every rank's engine gets that rank's own weights
  10. metrics and rollout samples
+A vLLM engine sleeps (frees its memory) from after the rollouts until the update is done, and
+is woken for the weight sync.
 Nothing here is method-specific beyond reading the method's settings.
 
-Under `backend: deepspeed` every rank runs all of it: each rank rolls out and scores its share
-of the step's questions, the trajectories are gathered so every rank holds the whole batch in
+Under `backend: deepspeed` every rank runs all of it: each rank (with `rollout_tp` > 1, the
+first rank of each group, on the group's GPUs) rolls out and scores its share of the step's
+questions with its own engine, the trajectories are gathered so every rank holds the whole batch in
 the same order, log-prob passes split rows over ranks and gather them back, and each update
 splits its mini-batch's rows over the ranks (a2tgpo/train/distributed.py). Rank 0 alone
 writes the run folder and tracks.
@@ -73,7 +76,13 @@ from a2tgpo.train.checkpoint import (
     save_checkpoint,
 )
 from a2tgpo.train.config import TrainConfig
-from a2tgpo.train.distributed import DeepSpeedBackend, SingleBackend, init_distributed
+from a2tgpo.train.distributed import (
+    DeepSpeedBackend,
+    EnginePlacement,
+    SingleBackend,
+    engine_placement,
+    init_distributed,
+)
 from a2tgpo.train.update import UpdateBatch, UpdateLog, batched_logprobs, update_policy
 
 log = logging.getLogger(__name__)
@@ -91,6 +100,7 @@ class Run:
 
     cfg: TrainConfig
     backend: Any  # a2tgpo.train.distributed.Backend
+    placement: EnginePlacement
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ref_model: torch.nn.Module | None
@@ -149,6 +159,9 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     seed = cfg.seed * 1_000_003 + step
     # 1-4. prompts, rollouts, rewards, dynamic sampling (every rank: the whole batch)
     trajs, sampling = sample_groups(run, seed, clock)
+    if run.engine is not None:  # its memory is free for the log-prob passes and the update
+        with clock("engine_sleep"):
+            run.engine.sleep()
     batch = collate(trajs, run.tok.pad_token_id)
     # 5. old log-probs (+ gold-answer log-probs at the probe points: information gain)
     old_BL, gold_BP, ig_stats = old_logprobs(run, batch, trajs, clock)
@@ -163,11 +176,15 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
                                UpdateBatch(batch, old_BL, adv.adv_BL, ref_BL, adv.clip_BL),
                                method.loss, cfg.schedule, seed=seed,
                                norm_length=cfg.rollout.max_response_tokens)
-    # 9. weights to the rollout engine (the hf engine samples from the trained model itself)
-    if cfg.engine == "vllm":
-        run.engine.update_weights(run.backend.hf_state_dict() or {})
+    # 9. weights to the rollout engines
+    if run.engine is not None:
+        with clock("engine_wake"):
+            run.engine.wake()
+    sync_bytes = sync_engine(run, clock)
     # 10. metrics and samples
     metrics = step_metrics(run, trajs, batch, adv, update, sampling, ig_stats, clock)
+    metrics["engine/sync_bytes"] = sync_bytes
+    metrics.update(engine_mismatch(run.backend, trajs, batch, old_BL))
     return metrics, rollout_records(run.tok, trajs, adv.adv_BK, batch.num_turns)
 
 
@@ -179,7 +196,7 @@ def start_run(cfg: TrainConfig) -> Run:
     """Model, optimizer, backend, engine, search tool and data order of a job; a run folder
     with a complete checkpoint is resumed from its newest one."""
     distributed = cfg.backend == "deepspeed"
-    rank, device = _process(cfg)
+    rank, device, placement = _process(cfg)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,13 +224,17 @@ def start_run(cfg: TrainConfig) -> Run:
     backend = _make_backend(cfg, model, optimizer)
     if ckpt is not None and distributed:
         backend.load_state(ckpt / "backend")
-    run = Run(cfg=cfg, backend=backend, optimizer=optimizer, scheduler=scheduler,
-              ref_model=ref_model, tok=tok, engine=make_engine(cfg, backend.unwrapped, tok),
+    engine = (make_engine(cfg, backend.unwrapped, tok, placement.devices)
+              if placement.hosts_engine else None)
+    run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
+              scheduler=scheduler, ref_model=ref_model, tok=tok, engine=engine,
               tool=SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok,
                               cfg.rollout),
               train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
               order=order, start=start, best=best)
     run.tracker = _tracker(cfg) if run.main else _NoTracker()
+    if ckpt is not None:  # engines started from the backbone: give them the checkpoint's
+        sync_engine(run, Clock())
     return run
 
 
@@ -223,10 +244,9 @@ def validate(run: Run, step: int) -> dict:
     cfg, backend = run.cfg, run.backend
     backend.unwrapped.eval()
     t0 = time.perf_counter()
-    mine = run.dev_qs[backend.rank::backend.world_size]
-    trajs = _gather(backend, score(cfg, run.tok, rollout(cfg, mine, run.engine, run.tool,
-                                                         seed=GREEDY_SEED, greedy=True),
-                                   training=False))
+    mine = run.placement.share(run.dev_qs)
+    trajs = _gather(backend, score(cfg, run.tok, _rollout(run, mine, seed=GREEDY_SEED,
+                                                          greedy=True), training=False))
     em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
     known = {} if run.best["step"] is None else {run.best["step"]: run.best["val_em"]}
     if best_step({**known, step: em}, trains=cfg.method.train) == step:
@@ -300,8 +320,8 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
         # every rank draws the same questions (same data order), then keeps its share
         qs = [run.train_qs[i] for i in run.order.next_batch(n_prompts)]
         with clock("rollout"):
-            trajs = rollout(cfg, qs[backend.rank::backend.world_size], run.engine, run.tool,
-                            seed=seed + 7919 * gen_batches + 104_729 * backend.rank)
+            trajs = _rollout(run, run.placement.share(qs),
+                             seed=seed + 7919 * gen_batches + 104_729 * backend.rank)
         trajs = _gather(backend, shape_rewards(cfg, score(cfg, run.tok, trajs, training=True)))
         if not dapo.dynamic_sampling:
             kept = trajs
@@ -323,6 +343,16 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
     clock.times["rollout"] -= clock.times["retrieval"]
     calls = int(backend.all_reduce_sum(float(run.tool.calls - calls_before)))
     return kept, {"gen_batches": gen_batches, "retrieval_calls": calls}
+
+
+def _rollout(run: Run, questions: list[Question], *, seed: int, greedy: bool = False
+             ) -> list[Trajectory]:
+    """This rank's rollouts of `questions` by its own engine, each marked with the rank (for
+    the engine-vs-trainer check); none where the rank hosts no engine."""
+    if not questions:
+        return []
+    trajs = rollout(run.cfg, questions, run.engine, run.tool, seed=seed, greedy=greedy)
+    return [replace(t, extra={**t.extra, "rank": run.backend.rank}) for t in trajs]
 
 
 def shape_rewards(cfg: TrainConfig, trajs: list[Trajectory]) -> list[Trajectory]:
@@ -449,6 +479,42 @@ def token_advantages(method: MethodConfig, batch: Batch, trajs: list[Trajectory]
 
 
 # --------------------------------------------------------------------------------------------
+# step 9: weights to the engines
+
+
+def sync_engine(run: Run, clock: Clock) -> float:
+    """Every engine-hosting rank sends its own weights to its vLLM engine (the hf engine
+    samples from the trained module itself: nothing to send). Returns the bytes sent by all
+    ranks together."""
+    sent = 0.0
+    with clock("weight_sync"):
+        if run.cfg.engine == "vllm" and run.engine is not None:
+            state = run.backend.local_state_dict()
+            run.engine.update_weights(state)
+            sent = float(sum(t.numel() * t.element_size() for t in state.values()))
+    return float(run.backend.all_reduce_sum(sent))
+
+
+def engine_mismatch(backend, trajs: list[Trajectory], batch: Batch, old_BL: torch.Tensor
+                    ) -> dict[str, float]:
+    """max |log π_engine − log π_old| over the sampled tokens of each rank's trajectories: the
+    engine that sampled them and the trainer that scores them hold the same weights, so
+    anything above float noise means a stale (or wrong) engine. Keys
+    rollout/logprob_diff_max and rollout/logprob_diff_max/rank<r>."""
+    diff_BL = torch.where(batch.loss_mask.bool(), (batch.rollout_logprobs - old_BL).abs(),
+                          torch.zeros(()))
+    out = {"rollout/logprob_diff_max": float(diff_BL.max())}
+    by_rank: dict[int, float] = defaultdict(float)
+    for b, t in enumerate(trajs):
+        r = t.extra.get("rank", 0)
+        by_rank[r] = max(by_rank[r], float(diff_BL[b].max()))
+    for r in range(backend.world_size):
+        if r in by_rank:
+            out[f"rollout/logprob_diff_max/rank{r}"] = by_rank[r]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # step 10: metrics
 
 
@@ -567,12 +633,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _process(cfg: TrainConfig) -> tuple[int, str]:
-    """(rank, torch device) of this process; joins the process group under DeepSpeed."""
+def _process(cfg: TrainConfig) -> tuple[int, str, EnginePlacement]:
+    """(rank, torch device, engine placement) of this process; joins the process group under
+    DeepSpeed."""
     if cfg.backend == "deepspeed":
         info = init_distributed()
-        return info.rank, str(info.device)
-    return 0, resolve_device(cfg.device)
+        placement = engine_placement(rank=info.rank, local_rank=info.local_rank,
+                                     world_size=info.world_size,
+                                     local_world_size=info.local_world_size, tp=cfg.rollout_tp)
+        return info.rank, str(info.device), placement
+    # one process: one engine, tensor parallel over the first rollout_tp GPUs
+    return 0, resolve_device(cfg.device), EnginePlacement(
+        hosts_engine=True, group=0, n_groups=1, devices=tuple(range(cfg.rollout_tp)))
 
 
 def _epochs(cfg: TrainConfig, n_questions: int) -> int:

@@ -25,6 +25,8 @@ def test_collate_rows_by_hand():
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1, 1, 0, 0, 0]]
     assert batch.turn_id.tolist() == [[-1, -1, -1, 0, 0, -1, -1, 1],
                                       [-1, -1, 0, 0, 0, -1, -1, -1]]
+    assert batch.rollout_logprobs.flatten().tolist() == pytest.approx(
+        [0, 0, 0, -0.1, -0.2, 0, 0, -0.3] + [0, 0, -1, -1, -1, 0, 0, 0])
     assert batch.turn_mask.tolist() == [[True, True], [True, False]]
     # a's turn 0 searched; its final turn answered; b's only turn ended on eos
     assert batch.tool_call.tolist() == [[True, False], [False, False]]

@@ -82,6 +82,7 @@ def synthetic_batch(model) -> UpdateBatch:
     turn_id = torch.where(mask.bool(), (positions >= LENGTH // 2).long(), -1)
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
                   turn_id=turn_id, position_ids=positions.clone(),
+                  rollout_logprobs=torch.zeros(ROWS, LENGTH),
                   turn_mask=torch.ones(ROWS, 2, dtype=torch.bool),
                   tool_call=torch.tensor([[True, False]]).expand(ROWS, 2).clone(),
                   prompt_lengths=torch.full((ROWS,), PROMPT), group_ids=list(range(ROWS)))

@@ -36,7 +36,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from a2tgpo.train.distributed import deepspeed_config, launcher_env
+from a2tgpo.train.distributed import (
+    deepspeed_config,
+    engine_placement,
+    launcher_env,
+    visible_devices,
+)
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed")
@@ -142,14 +147,22 @@ def test_launcher_env_keeps_launcher_variables():
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
            "MASTER_PORT": "29500", "SLURM_PROCID": "7"}
     assert launcher_env(env) == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                                 "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+                                 "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0",
+                                 "MASTER_PORT": "29500"}
+    # ranks per node: torchrun's LOCAL_WORLD_SIZE, or the deepspeed launcher's LOCAL_SIZE
+    assert launcher_env({**env, "LOCAL_SIZE": "2"})["LOCAL_WORLD_SIZE"] == "2"
+    assert launcher_env({**env, "LOCAL_WORLD_SIZE": "2"})["LOCAL_WORLD_SIZE"] == "2"
 
 
 def test_launcher_env_maps_slurm():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
            "SLURM_JOB_NODELIST": "gpu[03-05,07],cpu1", "SLURM_JOB_ID": "1234"}
     assert launcher_env(env) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                 "MASTER_ADDR": "gpu03", "MASTER_PORT": "21234"}
+                                 "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "gpu03",
+                                 "MASTER_PORT": "21234"}
+    # 8 tasks on 2 nodes: 4 per node, from SLURM_NTASKS_PER_NODE ("4(x2)") or tasks / nodes
+    assert launcher_env({**env, "SLURM_NTASKS_PER_NODE": "4(x2)"})["LOCAL_WORLD_SIZE"] == "4"
+    assert launcher_env({**env, "SLURM_NNODES": "2"})["LOCAL_WORLD_SIZE"] == "4"
     # an address or port the job script exported wins
     got = launcher_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "6000"})
     assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("head", "6000")
@@ -172,3 +185,41 @@ def test_deepspeed_config():
     assert deepspeed_config(zero_stage=1, grad_clip=0.0)["gradient_clipping"] == 0.0
     with pytest.raises(ValueError, match="zero_stage"):
         deepspeed_config(zero_stage=4, grad_clip=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# rollout engine placement
+
+
+def test_engine_placement_one_engine_per_rank():
+    # tp 1: every rank hosts an engine on its own GPU and rolls out every world-th question
+    for rank in range(16):
+        p = engine_placement(rank=rank, local_rank=rank % 8, world_size=16, local_world_size=8,
+                             tp=1)
+        assert (p.hosts_engine, p.group, p.n_groups, p.devices) == (True, rank, 16, (rank % 8,))
+    p = engine_placement(rank=3, local_rank=3, world_size=4, local_world_size=4, tp=1)
+    assert p.share(list(range(10))) == [3, 7]
+
+
+def test_engine_placement_tensor_parallel_groups():
+    # tp 2 on 2 nodes x 4 ranks: groups {0,1} {2,3} | {4,5} {6,7}; the group's first rank hosts
+    # the engine on the group's two local GPUs and rolls out the group's share
+    got = [engine_placement(rank=r, local_rank=r % 4, world_size=8, local_world_size=4, tp=2)
+           for r in range(8)]
+    assert [p.hosts_engine for p in got] == [True, False] * 4
+    assert [p.group for p in got] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [p.devices for p in got] == [(0, 1), (), (2, 3), ()] * 2
+    qs = list(range(9))
+    assert got[4].share(qs) == [2, 6] and got[5].share(qs) == []
+    # every question is rolled out exactly once
+    assert sorted(q for p in got for q in p.share(qs)) == qs
+    with pytest.raises(ValueError, match="rollout_tp=3 must divide the ranks per node"):
+        engine_placement(rank=0, local_rank=0, world_size=8, local_world_size=4, tp=3)
+
+
+def test_visible_devices_maps_local_indices_through_the_parent_list():
+    assert visible_devices((2, 3), None) == "2,3"
+    # the launcher gave the node's GPUs 4..7: local GPU 1 is physical 5
+    assert visible_devices((1,), "4,5,6,7") == "5"
+    with pytest.raises(ValueError, match="beyond CUDA_VISIBLE_DEVICES"):
+        visible_devices((4,), "4,5,6,7")

@@ -36,11 +36,12 @@ import torch
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.algo.types import TreePath
 from a2tgpo.model.backbone import BackboneConfig
+from a2tgpo.rollout.hf_engine import HfEngine
 from a2tgpo.rollout.info_gain import gold_logprob_matrix
 from a2tgpo.rollout.trajectory import Trajectory, Turn
 from a2tgpo.train import rl, update
 from a2tgpo.train.config import ScheduleConfig, TrainConfig
-from a2tgpo.train.distributed import SingleBackend
+from a2tgpo.train.distributed import EnginePlacement, SingleBackend
 
 EPS = 1e-6  # AdvantageConfig.eps: added to every std
 PROMPT = (1, 2)
@@ -172,7 +173,7 @@ EXPECTED = {"grpo": grpo_expected, "igpo": igpo_expected, "a2tgpo": a2tgpo_expec
 class _Tok:
     """What the step reads of a tokenizer: the pad id and decode (rollout records)."""
 
-    pad_token_id = 0
+    pad_token_id = eos_token_id = 0
 
     def decode(self, ids, skip_special_tokens=False):
         return " ".join(map(str, ids))
@@ -199,11 +200,13 @@ def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]
                                               micro_batch_size=6))
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = rl.Run(cfg=cfg, backend=SingleBackend(model, optimizer, 1.0), optimizer=optimizer,
+    run = rl.Run(cfg=cfg, backend=SingleBackend(model, optimizer, 1.0),
+                 placement=EnginePlacement(hosts_engine=True, group=0, n_groups=1, devices=(0,)),
+                 optimizer=optimizer,
                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0),
                  ref_model=rl._frozen_copy(model) if method.loss.kl_coef > 0 else None,
-                 tok=_Tok(), engine=None, tool=None, train_qs=[], dev_qs=[], order=None,
-                 start=0)
+                 tok=_Tok(), engine=HfEngine(model, _Tok()), tool=None, train_qs=[], dev_qs=[],
+                 order=None, start=0)
 
     def old_logprobs(run, batch, trajs, clock):
         old = update.batched_logprobs(model, batch, list(range(len(trajs))), 6, "cpu")

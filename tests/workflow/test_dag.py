@@ -180,8 +180,8 @@ def test_dry_run_paper_grid(workdir):
         parts = line.split()
         if len(parts) == 2 and parts[1].isdigit():
             counts[parts[0]] = int(parts[1])
-    # 3 backbones x 2 tracks x 9 main methods = 54, Tree-GRPO on Qwen2.5-7B x 2 tracks = 2,
-    # ablation cells on Qwen3-4B: 15 methods x 2 tracks = 30, of which igpo, a2tgpo and
-    # at2po (6 cells) are already main cells -> 54 + 2 + 24 = 80
-    assert counts["train"] == counts["evaluate"] == counts["cell_config"] == 80
+    # 3 backbones x 2 tracks x 10 main methods = 60, Tree-GRPO on Qwen2.5-7B x 2 tracks = 2,
+    # ablation cells on Qwen3-4B: 15 methods x 2 tracks = 30, of which igpo, a2tgpo,
+    # a2tgpo_release and at2po (8 cells) are already main cells -> 60 + 2 + 22 = 84
+    assert counts["train"] == counts["evaluate"] == counts["cell_config"] == 84
     assert counts["prepare_track_data"] == 2 and counts["download_corpus"] == 1
