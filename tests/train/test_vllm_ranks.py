@@ -9,10 +9,11 @@ the step started from. An engine that holds those weights differs only by float 
 that holds other weights (stale after an update, or the backbone after a resume) differs by as
 much as training moved the policy.
 
-Tolerance TOL = 1e-3: vLLM (CPU, float32) and Hugging Face agree on sampled-token log-probs to
-5e-7 (tests/rollout/test_vllm_engine.py); the trainer's padded batched forward adds summation
-order noise of the same order. The trained policy must move by more than 10·TOL on a fixed
-text (checked below), so a stale engine cannot pass.
+Tolerance TOL = 1e-4: vLLM (CPU, float32) and Hugging Face agree on sampled-token log-probs to
+5e-7 (tests/rollout/test_vllm_engine.py); with the trainer's padded batched forward the
+largest difference seen here was 6e-6 (both engines, every step and rank), so TOL leaves a
+16x margin for float noise. The trained policy must move by more than 10·TOL on a fixed text
+(checked below; 13 here), so a stale engine cannot pass.
 """
 
 import dataclasses
@@ -45,7 +46,7 @@ from a2tgpo.train.rl import train  # noqa: E402
 from a2tgpo.train.update import token_logprobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-TOL = 1e-3
+TOL = 1e-4
 PROBE = "Who directed The Silent Harbor? <search> film director </search>"
 
 
