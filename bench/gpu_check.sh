@@ -15,4 +15,6 @@ python3 -m pytest -q -p no:cacheprovider -m gpu $files "$@"
 rc=$?
 # Qwen3-4B-sized numbers (random weights built from the config; nothing is downloaded)
 python3 bench/gpu_bench.py || rc=1
+# one RL step of a Qwen3-0.6B-architecture model through the trainer's functions
+python3 bench/gpu_rl_step.py || rc=1
 exit $rc
