@@ -269,21 +269,6 @@ def kl_penalty(*, logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: KLKind
 
 
 # --------------------------------------------------------------------------------------------
-# entropy
-
-
-def entropy_from_logprobs(*, logp_BTV: torch.Tensor) -> torch.Tensor:
-    """Entropy per token from normalised log-probabilities: H = −Σ_v p_v log p_v, p = exp(log p).
-
-    Takes log_softmax output (finite), which the log-prob pass has anyway, so no second softmax
-    over the vocabulary is needed.
-
-    Shapes: logp_BTV (B, T, V) -> (B, T).
-    """
-    return -(logp_BTV.exp() * logp_BTV).sum(-1)
-
-
-# --------------------------------------------------------------------------------------------
 # AEPO entropy-aware advantage
 
 

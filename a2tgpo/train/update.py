@@ -19,12 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from a2tgpo.algo.losses import (
-    entropy_aware_advantage,
-    entropy_from_logprobs,
-    kl_penalty,
-    policy_loss,
-)
+from a2tgpo.algo.logprobs import DEFAULT_CHUNK_TOKENS, chunked_logprobs
+from a2tgpo.algo.losses import entropy_aware_advantage, kl_penalty, policy_loss
 from a2tgpo.algo.masks import aggregate_loss, local_denominators
 from a2tgpo.algo.methods import LossConfig
 from a2tgpo.rollout.trajectory import Batch
@@ -71,23 +67,45 @@ class UpdateLog:
         return out
 
 
+def final_hidden(model, ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's final (normed) hidden states, without the output layer. (b, L) -> (b, L, H).
+
+    With gradients, through `model` itself (the DeepSpeed engine's forward prepares its
+    gradient bookkeeping), keeping no logits (an empty `logits_to_keep`); without, through the
+    decoder alone, so that the per-layer hidden states are not collected."""
+    if torch.is_grad_enabled():
+        out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                    output_hidden_states=True, use_cache=False,
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=ids.device))
+        return out.hidden_states[-1]
+    decoder = getattr(model, "module", model).get_decoder()
+    return decoder(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).last_hidden_state
+
+
 def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
-                   device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows.
+                   device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows, from the final
+    hidden states in chunks of `chunk_tokens` (algo/logprobs.py): no (b, L, V) tensor.
 
     Shapes: -> logp_bL (b, L) and entropy_bL (b, L) (entropy of the distribution that
     predicted token t), aligned with batch.input_ids.
     """
     ids = batch.input_ids[rows].to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows].to(device),
-                   position_ids=batch.position_ids[rows].to(device)).logits.float()
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (b, L-1, V)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-    if not with_entropy:
+    h = final_hidden(model, ids, batch.attention_mask[rows].to(device),
+                     batch.position_ids[rows].to(device))
+    b, L = ids.shape
+    lp, ent = chunked_logprobs(
+        hidden_NH=h[:, :-1].reshape(b * (L - 1), -1),
+        project=getattr(model, "module", model).get_output_embeddings(),
+        target_N=ids[:, 1:].reshape(-1), with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    zero = torch.zeros(b, 1, dtype=lp.dtype, device=lp.device)
+    lp = torch.cat([zero, lp.view(b, L - 1)], dim=1)
+    if ent is None:
         return lp, None
-    e = entropy_from_logprobs(logp_BTV=logp_all)
-    return lp, torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+    return lp, torch.cat([zero, ent.view(b, L - 1)], dim=1)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from a2tgpo.algo import losses as L
+from a2tgpo.algo.logprobs import entropy_from_logprobs
 from a2tgpo.algo.masks import AGG_MODES, local_denominators
 
 D = torch.float64
@@ -421,12 +422,12 @@ def test_entropy_from_logprobs_matches_naive_loop_and_is_stable():
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(2, 3, 5, generator=g, dtype=D)
     logp = lambda z: torch.log_softmax(z, dim=-1)  # noqa: E731 (what the log-prob pass gives)
-    close(L.entropy_from_logprobs(logp_BTV=logp(logits)), naive_entropy(logits))
+    close(entropy_from_logprobs(logp_BTV=logp(logits)), naive_entropy(logits))
     # shift invariance at magnitudes where a naive exp overflows
-    close(L.entropy_from_logprobs(logp_BTV=logp(logits + 1000.0)), naive_entropy(logits))
+    close(entropy_from_logprobs(logp_BTV=logp(logits + 1000.0)), naive_entropy(logits))
     # uniform over V = 5 -> log 5; one-hot (log p = 0 and -1e4) -> 0
-    close(L.entropy_from_logprobs(logp_BTV=logp(torch.zeros(1, 1, 5, dtype=D))), [[math.log(5)]])
-    close(L.entropy_from_logprobs(logp_BTV=logp(torch.tensor([[[0.0, -1e4]]], dtype=D))), [[0.0]])
+    close(entropy_from_logprobs(logp_BTV=logp(torch.zeros(1, 1, 5, dtype=D))), [[math.log(5)]])
+    close(entropy_from_logprobs(logp_BTV=logp(torch.tensor([[[0.0, -1e4]]], dtype=D))), [[0.0]])
 
 
 def test_ppo_kl_unclamped_at_sequence_and_turn_level():
