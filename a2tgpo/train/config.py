@@ -62,6 +62,10 @@ class TrainSettings:
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage (1 or 2; backend deepspeed).")
     ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+    gradient_checkpointing: bool = option(
+        False, "Recompute each decoder layer's activations in backward instead of keeping them "
+        "(activation memory ~ layers x hidden per token instead of all intermediates; about "
+        "one more forward of compute).")
     rollout_tp: int = option(
         1, "engine vllm: ranks (GPUs) per rollout engine, tensor parallel; the first rank of "
         "each group runs the group's rollouts (1 = one engine per rank).")

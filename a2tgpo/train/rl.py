@@ -204,6 +204,8 @@ def start_run(cfg: TrainConfig) -> Run:
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.backbone)
     model = load_model(cfg.backbone, device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = _frozen_copy(model) if cfg.method.loss.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas),

@@ -61,3 +61,15 @@ def test_two_updates_change_every_parameter(toy, toy_train_config, method_id, tm
     assert train_rows[0]["rollout/trajectories"] >= 2
     unchanged = [k for k in start if torch.equal(start[k], final[k])]
     assert not unchanged, f"{method_id}: parameters not updated: {unchanged}"
+
+
+def test_start_run_applies_gradient_checkpointing(toy_train_config, tmp_path):
+    from a2tgpo.train.rl import start_run
+
+    schedule = ScheduleConfig(steps=1, prompts_per_step=2, mini_batch_prompts=1,
+                              micro_batch_size=4)
+    for on in (False, True):
+        cfg = toy_train_config(tmp_path / f"run{on}", METHODS["grpo"], schedule=schedule,
+                               gradient_checkpointing=on)
+        run = start_run(cfg)
+        assert run.backend.unwrapped.is_gradient_checkpointing == on

@@ -316,3 +316,28 @@ def test_overlong_shaping_keeps_the_score_before_it():
                   rollout=AgentConfig(max_response_tokens=6, max_turn_tokens=5))
     (t,) = rl.shape_rewards(cfg, [CHAINS[3]])
     assert (t.reward, t.extra["score"]) == (0.5, 1.0)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    from a2tgpo.rollout.trajectory import collate
+
+    batch = collate(CHAINS, 0)
+    rows = list(range(len(CHAINS)))
+    out = {}
+    for ckpt in (False, True):
+        model = tiny_model()  # the same seeded weights both times
+        if ckpt:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        assert model.is_gradient_checkpointing == ckpt
+        with torch.no_grad():
+            old = update.batched_logprobs(model, batch, rows, 6, "cpu") - 0.05
+        data = update.UpdateBatch(batch, old, torch.ones_like(old) * batch.loss_mask)
+        loss, _, _ = update.micro_batch_loss(
+            model, data, rows, batch.loss_mask, METHODS["grpo"].loss, tokens=float(
+                batch.loss_mask.sum()), seqs=6.0, world=1, norm_length=100, device="cpu")
+        out[ckpt] = (loss.detach(), torch.autograd.grad(loss, list(model.parameters())))
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
+    for a, b in zip(out[True][1], out[False][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
