@@ -27,10 +27,11 @@ def _rss_mb() -> float:
     raise RuntimeError("no VmRSS")
 
 
-def _child(variant: str, tokens: int, vocab: int, hidden: int, grad: bool) -> None:
+def _child(variant: str, tokens: int, vocab: int, hidden: int, grad: bool,
+           chunk: int | None) -> None:
     import torch
 
-    from a2tgpo.algo.logprobs import chunked_logprobs, entropy_from_logprobs
+    from a2tgpo.algo.logprobs import DEFAULT_CHUNK_TOKENS, chunked_logprobs, entropy_from_logprobs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(hidden, vocab, bias=False)
@@ -44,7 +45,7 @@ def _child(variant: str, tokens: int, vocab: int, hidden: int, grad: bool) -> No
         ent = entropy_from_logprobs(logp_BTV=logp)
     else:
         lp, ent = chunked_logprobs(hidden_NH=h, project=head, target_N=target,
-                                   with_entropy=True)
+                                   with_entropy=True, chunk_tokens=chunk or DEFAULT_CHUNK_TOKENS)
     if grad:
         (lp.sum() + ent.sum()).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -57,15 +58,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--grad", action="store_true")
+    ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the "
+                    "trainer's DEFAULT_CHUNK_TOKENS)")
     ap.add_argument("--child", choices=["full", "chunked"])
     a = ap.parse_args()
     if a.child:
-        _child(a.child, a.tokens, a.vocab, a.hidden, a.grad)
+        _child(a.child, a.tokens, a.vocab, a.hidden, a.grad, a.chunk)
         return
     res = {}
     for variant in ("full", "chunked"):
         cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(a.tokens),
-               "--vocab", str(a.vocab), "--hidden", str(a.hidden)] + (["--grad"] * a.grad)
+               "--vocab", str(a.vocab), "--hidden", str(a.hidden)] + (["--grad"] * a.grad) \
+            + (["--chunk", str(a.chunk)] if a.chunk else [])
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         res[variant] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
     one = a.tokens * a.vocab * 4 / 2**20

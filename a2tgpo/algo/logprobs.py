@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# tokens per chunk: 2048 x 151,936 x 4 B = 1.2 GB per float32 (chunk, V) tensor
-DEFAULT_CHUNK_TOKENS = 2048
+# tokens per chunk: 512 x 151,936 x 4 B = 0.3 GB per float32 (chunk, V) tensor; a chunk holds
+# about three of them at once (logits, log-softmax, the entropy's exp), measured by
+# bench/logprob_memory.py
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def entropy_from_logprobs(*, logp_BTV: torch.Tensor) -> torch.Tensor:
