@@ -40,6 +40,10 @@ class ScheduleConfig:
                                          "this = updates per step).")
     micro_batch_size: int = option(8, "Trajectories per forward/backward (memory knob only: "
                                        "losses use global denominators).")
+    micro_batch_tokens: int = option(
+        0, "Token budget of an update's micro-batch: rows sorted by length are packed so that "
+        "rows x longest row stays within it (padding only inside a micro-batch); 0 = "
+        "micro_batch_size rows each. Memory knob only, like micro_batch_size.")
     ppo_epochs: int = option(1, "Passes over each step's rollouts.")
     eval_every: int = option(20, "Greedy validation on the dev split every N steps.")
     eval_questions: int = option(0, "Dev questions per validation (0 = all).")

@@ -11,7 +11,6 @@ micro-batches and the average over ranks is exactly the unsplit mini-batch's los
 
 from __future__ import annotations
 
-import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -85,17 +84,19 @@ def final_hidden(model, ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
-                   device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows, from the final
     hidden states in chunks of `chunk_tokens` (algo/logprobs.py): no (b, L, V) tensor.
+    `length`: only the first `length` columns (rows are right-padded).
 
-    Shapes: -> logp_bL (b, L) and entropy_bL (b, L) (entropy of the distribution that
-    predicted token t), aligned with batch.input_ids.
+    Shapes: -> logp_bL (b, L') and entropy_bL (b, L') (entropy of the distribution that
+    predicted token t), aligned with batch.input_ids[:, :L'], L' = length or L.
     """
-    ids = batch.input_ids[rows].to(device)
-    h = final_hidden(model, ids, batch.attention_mask[rows].to(device),
-                     batch.position_ids[rows].to(device))
+    cols = slice(0, length)
+    ids = batch.input_ids[rows][:, cols].to(device)
+    h = final_hidden(model, ids, batch.attention_mask[rows][:, cols].to(device),
+                     batch.position_ids[rows][:, cols].to(device))
     b, L = ids.shape
     lp, ent = chunked_logprobs(
         hidden_NH=h[:, :-1].reshape(b * (L - 1), -1),
@@ -124,23 +125,27 @@ def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.T
     clipped surrogate, + kl_coef·KL, − entropy_coef·H. Returns (loss, {"pg", "kl"} terms,
     policy_loss diagnostics)."""
     b = data.batch
+    # right padding: columns past the micro-batch's longest row hold nothing of it
+    n = max(1, int(b.attention_mask[rows].sum(1).max()))
+    cut = lambda x: x[rows][:, :n].to(device)  # noqa: E731
+    mask_bL = mask_bL[:, :n]
     agg = dict(global_tokens=tokens, global_seqs=seqs, dp_size=world, norm_length=norm_length)
     need_ent = loss.entropy_coef > 0 or loss.entropy_adv_alpha > 0
-    logp, ent = token_logprobs(model, b, rows, with_entropy=need_ent, device=device)
-    adv = data.adv[rows].to(device)
+    logp, ent = token_logprobs(model, b, rows, with_entropy=need_ent, device=device, length=n)
+    adv = cut(data.adv)
     if loss.entropy_adv_alpha > 0:
         adv = entropy_aware_advantage(adv_BT=adv, entropy_BT=ent.detach(), mask_BT=mask_bL,
                                       alpha=loss.entropy_adv_alpha)
     pg, diag = policy_loss(
-        logp_BT=logp, old_logp_BT=data.old_logp[rows].to(device), adv_BT=adv, mask_BT=mask_bL,
+        logp_BT=logp, old_logp_BT=cut(data.old_logp), adv_BT=adv, mask_BT=mask_bL,
         ratio_level=loss.ratio_level, clip_low=loss.clip_low, clip_high=loss.clip_high,
         agg_mode=loss.agg_mode,
-        clip_scale_BT=None if data.clip_scale is None else data.clip_scale[rows].to(device),
+        clip_scale_BT=None if data.clip_scale is None else cut(data.clip_scale),
         dual_clip=loss.dual_clip, upper_clip=loss.upper_clip,
-        turn_id_BT=b.turn_id[rows].to(device), K=b.turn_mask.shape[1], **agg)
+        turn_id_BT=cut(b.turn_id), K=b.turn_mask.shape[1], **agg)
     total, terms = pg, {"pg": pg}
     if data.ref_logp is not None:
-        kl = kl_penalty(logp_BT=logp, ref_logp_BT=data.ref_logp[rows].to(device),
+        kl = kl_penalty(logp_BT=logp, ref_logp_BT=cut(data.ref_logp),
                         kind=loss.kl_kind)
         terms["kl"] = aggregate_loss(kl, mask_bL, loss.agg_mode, **agg)
         total = total + loss.kl_coef * terms["kl"]
@@ -149,16 +154,50 @@ def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.T
     return total, terms, diag
 
 
+def micro_batches(lengths: dict[int, int], rows: list[int], world: int, *, max_rows: int,
+                  max_tokens: int = 0) -> list[list[list[int]]]:
+    """Each rank's micro-batches of the mini-batch `rows` (per rank, a list of row lists; every
+    rank gets the same number, some possibly empty, so ZeRO's collectives stay in step).
+
+    max_tokens 0: rank r takes rows r::world in order, `max_rows` per micro-batch. Otherwise
+    token-budget packing: rows sorted longest first are dealt to the ranks in turn (so ranks
+    get similar lengths), and each rank packs its rows in that order into micro-batches whose
+    padded size, rows x longest row, stays within `max_tokens` (a row longer than the budget
+    goes alone). `lengths[b]` is row b's length in tokens (prompt included). Every rank
+    computes the same plan from the same lengths: no communication.
+    """
+    if max_tokens <= 0:
+        plan = [[rank_rows[i: i + max_rows] for i in range(0, len(rank_rows), max_rows)]
+                for rank_rows in (rows[r::world] for r in range(world))]
+    else:
+        ordered = sorted(rows, key=lambda b: (-lengths[b], b))
+        plan = []
+        for r in range(world):
+            mbs: list[list[int]] = []
+            for b in ordered[r::world]:
+                # longest first: the micro-batch's first row sets its padded length
+                if mbs and (len(mbs[-1]) + 1) * lengths[mbs[-1][0]] <= max_tokens:
+                    mbs[-1].append(b)
+                else:
+                    mbs.append([b])
+            plan.append(mbs)
+    n = max(1, max(len(p) for p in plan))
+    return [p + [[] for _ in range(n - len(p))] for p in plan]
+
+
 def update_mini_batch(backend, data: UpdateBatch, rows: list[int], loss: LossConfig, *,
-                      micro_batch_size: int, norm_length: int, log: UpdateLog) -> float:
+                      micro_batch_size: int, norm_length: int, log: UpdateLog,
+                      micro_batch_tokens: int = 0) -> float:
     """One optimizer update on the mini-batch `rows` (every rank passes the same rows); returns
-    the gradient norm. Every rank makes the same number of forward/backward calls (ZeRO's
-    collectives): a rank short of rows runs a micro-batch whose loss mask is all zero."""
+    the gradient norm. Micro-batches by `micro_batches`; every rank makes the same number of
+    forward/backward calls (ZeRO's collectives): a rank short of rows runs a micro-batch whose
+    loss mask is all zero."""
     world, device = backend.world_size, backend.device
     tokens, seqs = local_denominators(data.batch.loss_mask[rows])
-    mine = rows[backend.rank::world]
-    for i in range(math.ceil(math.ceil(len(rows) / world) / micro_batch_size)):
-        mb = mine[i * micro_batch_size: (i + 1) * micro_batch_size]
+    lengths = dict(zip(rows, data.batch.attention_mask[rows].sum(1).tolist(), strict=True))
+    plan = micro_batches(lengths, rows, world, max_rows=micro_batch_size,
+                         max_tokens=micro_batch_tokens)[backend.rank]
+    for mb in plan:
         mask = data.batch.loss_mask[mb].to(device)
         if not mb:
             mb = rows[:1]
@@ -203,7 +242,8 @@ def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,
             rows = [b for b, g in enumerate(group_ids) if g in chosen]
             log.grad_norms.append(update_mini_batch(
                 backend, data, rows, loss, micro_batch_size=schedule.micro_batch_size,
-                norm_length=norm_length, log=log))
+                micro_batch_tokens=schedule.micro_batch_tokens, norm_length=norm_length,
+                log=log))
             scheduler.step()
     backend.unwrapped.eval()
     for key, vals in log.terms.items():

@@ -341,3 +341,60 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=0)
     for a, b in zip(out[True][1], out[False][1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# micro-batches
+
+
+def test_micro_batches_by_rows_and_by_token_budget():
+    lengths = {0: 10, 1: 50, 2: 20, 3: 40, 4: 30, 5: 60, 6: 5}
+    rows = [0, 1, 2, 3, 4, 5, 6]
+    # by rows: rank r takes rows r::2 in order, 2 per micro-batch (2 calls on each rank)
+    by_rows = update.micro_batches(lengths, rows, 2, max_rows=2)
+    assert by_rows == [[[0, 2], [4, 6]], [[1, 3], [5]]]
+    # budget 100, longest first: 5(60) 1(50) 3(40) 4(30) 2(20) 0(10) 6(5), dealt in turn:
+    #   rank 0 gets 5, 3, 2, 6: [5] (2·60 > 100), [3, 2] (2·40 = 80; 3·40 > 100), [6]
+    #   rank 1 gets 1, 4, 0:    [1, 4] (2·50 = 100), [0] (3·50 > 100), then an empty one
+    by_tokens = update.micro_batches(lengths, rows, 2, max_rows=2, max_tokens=100)
+    assert by_tokens == [[[5], [3, 2], [6]], [[1, 4], [0], []]]
+    assert sorted(b for rank in by_tokens for mb in rank for b in mb) == rows
+    # a row longer than the budget goes alone
+    assert update.micro_batches({0: 300, 1: 10}, [0, 1], 1, max_rows=8, max_tokens=100) == \
+        [[[0], [1]]]
+
+
+class _GradBackend(SingleBackend):
+    """SingleBackend that keeps the gradients of the update it steps."""
+
+    def step(self) -> float:
+        self.grads = [None if p.grad is None else p.grad.clone()
+                      for p in self._model.parameters()]
+        return super().step()
+
+
+def test_token_budget_micro_batches_give_the_unsplit_loss_and_gradients():
+    from a2tgpo.rollout.trajectory import collate
+
+    batch = collate(CHAINS, 0)  # rows of 4 to 13 tokens
+    rows = list(range(len(CHAINS)))
+    got = {}
+    # 2 rows per micro-batch; a 24-token budget (1-3 rows each); one micro-batch of all 6
+    for budget in (0, 24, 10**6):
+        model = tiny_model()
+        with torch.no_grad():
+            old = update.batched_logprobs(model, batch, rows, 6, "cpu") - 0.05
+        adv = torch.linspace(-1, 1, old.numel()).view_as(old) * batch.loss_mask
+        data = update.UpdateBatch(batch, old, adv, clip_scale=torch.full_like(old, 1.1))
+        backend = _GradBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0)
+        log = update.UpdateLog()
+        update.update_mini_batch(backend, data, rows, METHODS["a2tgpo"].loss,
+                                 micro_batch_size=2, micro_batch_tokens=budget,
+                                 norm_length=100, log=log)
+        got[budget] = (sum(log.terms["total"]), backend.grads)
+    loss0, grads0 = got[0]
+    for budget in (24, 10**6):
+        loss, grads = got[budget]
+        assert abs(loss - loss0) < 1e-6, (budget, loss, loss0)
+        for a, b in zip(grads, grads0, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
