@@ -172,7 +172,7 @@ def launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     process.
 
     Taken as they are when the launcher set RANK (`deepspeed`, `torchrun`; the ranks per node
-    from torchrun's LOCAL_WORLD_SIZE or the deepspeed launcher's LOCAL_SIZE). Otherwise from
+    from the deepspeed launcher's LOCAL_SIZE, else torchrun's LOCAL_WORLD_SIZE). Otherwise from
     SLURM (`srun`): SLURM_PROCID -> RANK, SLURM_NTASKS -> WORLD_SIZE, SLURM_LOCALID ->
     LOCAL_RANK, SLURM_NTASKS_PER_NODE (or tasks / nodes) -> LOCAL_WORLD_SIZE, the first host
     of SLURM_JOB_NODELIST -> MASTER_ADDR and a port derived from SLURM_JOB_ID -> MASTER_PORT;
@@ -183,7 +183,9 @@ def launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     if "RANK" in env:
         out = {"RANK": env["RANK"], "WORLD_SIZE": env.get("WORLD_SIZE", "1"),
                "LOCAL_RANK": env.get("LOCAL_RANK", "0")}
-        out["LOCAL_WORLD_SIZE"] = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") \
+        # the deepspeed launcher's LOCAL_SIZE first: it is written for this launch, while a
+        # LOCAL_WORLD_SIZE may be inherited (vLLM's CPU platform sets it in its own process)
+        out["LOCAL_WORLD_SIZE"] = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") \
             or out["WORLD_SIZE"]
     elif "SLURM_PROCID" in env:
         out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),

@@ -149,9 +149,12 @@ def test_launcher_env_keeps_launcher_variables():
     assert launcher_env(env) == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                  "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0",
                                  "MASTER_PORT": "29500"}
-    # ranks per node: torchrun's LOCAL_WORLD_SIZE, or the deepspeed launcher's LOCAL_SIZE
+    # ranks per node: the deepspeed launcher's LOCAL_SIZE (written for this launch) wins over a
+    # LOCAL_WORLD_SIZE the process may have inherited; torchrun sets only the latter
     assert launcher_env({**env, "LOCAL_SIZE": "2"})["LOCAL_WORLD_SIZE"] == "2"
     assert launcher_env({**env, "LOCAL_WORLD_SIZE": "2"})["LOCAL_WORLD_SIZE"] == "2"
+    assert launcher_env({**env, "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "1"})[
+        "LOCAL_WORLD_SIZE"] == "2"
 
 
 def test_launcher_env_maps_slurm():

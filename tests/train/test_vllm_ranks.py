@@ -73,7 +73,8 @@ def _launch(cfg_path: Path, *, kill_after_step: int | None = None) -> str:
     """2 ranks through the real deepspeed launcher; with `kill_after_step`, SIGKILL the whole
     job once that step's checkpoint is complete. Returns the output."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
     script = Path(sys.executable).parent / "a2tgpo"
