@@ -6,8 +6,11 @@ a rerun finds its own progress under the run directory and continues from it:
     run_dir/checkpoints/step_000300/
         model/        HF format (config.json, model.safetensors, tokenizer files): loadable by
                       AutoModelForCausalLM / AutoTokenizer and by vLLM as it is
-        state.pt      optimizer, scheduler, RNG states (python, numpy, torch CPU and CUDA) and
-                      the trainer state (step, data order, counters, selection metrics)
+        state.pt      scheduler, RNG states (python, numpy, torch CPU and CUDA) and the trainer
+                      state (step, data order, counters, selection metrics)
+        backend/      the optimizer state, written by the training backend (every rank its
+                      shard under DeepSpeed); only in the newest checkpoint: a checkpoint that
+                      is no longer the newest keeps the weights that selection needs
         meta.json     step, save time, file sizes, trainer state (readable without torch)
         COMPLETE      written last; a directory without it is never used
 
@@ -47,6 +50,9 @@ log = logging.getLogger(__name__)
 EXIT_PREEMPTED = 75
 
 COMPLETE = "COMPLETE"
+# the training backend's optimizer state (and DeepSpeed's fp32 weights) inside a checkpoint;
+# only the newest checkpoint keeps it
+BACKEND_DIR = "backend"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -190,7 +196,20 @@ def save_checkpoint(
         (tmp / COMPLETE).write_text(f"{step}\n")
     log.info("saved checkpoint %s (%.1fs)", path, time.time() - started)
     prune_checkpoints(run_dir, keep_last=keep_last, keep_steps=set(keep_steps) | {step})
+    for older in list_checkpoints(run_dir)[:-1]:
+        drop_optimizer_state(older)
     return path
+
+
+def drop_optimizer_state(path: str | Path) -> None:
+    """Delete a checkpoint's backend/ (optimizer state): its weights, scheduler, RNG and trainer
+    state stay, and the checkpoint stays complete (backend/ is not in meta.json's sizes)."""
+    backend = Path(path) / BACKEND_DIR
+    if backend.is_dir():
+        # rename first, so a kill mid-delete leaves no half-deleted backend/ to resume from
+        backend.rename(backend.with_name(f".{BACKEND_DIR}.{os.getpid()}.del"))
+    for trash in Path(path).glob(f".{BACKEND_DIR}.*.del"):  # this one and killed deletes'
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def prune_checkpoints(run_dir: str | Path, *, keep_last: int,

@@ -68,6 +68,7 @@ from a2tgpo.rollout.runner import (
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.tracking import Tracker
 from a2tgpo.train.checkpoint import (
+    BACKEND_DIR,
     EXIT_PREEMPTED,
     DataOrder,
     PreemptionHandler,
@@ -216,16 +217,22 @@ def start_run(cfg: TrainConfig) -> Run:
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
     start, best = 0, {"step": None, "val_em": -1.0}
     ckpt = latest_checkpoint(run_dir)
+    # optimizer state in the checkpoint's backend/ (older checkpoints of this project: in
+    # state.pt, single process only)
+    in_backend = ckpt is not None and (ckpt / BACKEND_DIR).is_dir()
     if ckpt is not None:
-        # weights (and, single process, the optimizer) before the backend wraps them
-        state = load_checkpoint(ckpt, model=model, optimizer=None if distributed else optimizer,
-                                scheduler=scheduler)
+        # weights before the backend wraps them
+        state = load_checkpoint(ckpt, model=model, scheduler=scheduler,
+                                optimizer=None if in_backend or distributed else optimizer)
         start, best = state["step"], state["best"]
         order.load_state_dict(state["data_order"])
         log.info("resumed from %s (step %d)", ckpt, start)
     backend = _make_backend(cfg, model, optimizer)
-    if ckpt is not None and distributed:
-        backend.load_state(ckpt / "backend")
+    if in_backend:
+        backend.load_state(ckpt / BACKEND_DIR)
+    elif ckpt is not None and distributed:
+        raise ValueError(f"{ckpt} keeps no optimizer state ({BACKEND_DIR}/): only the newest "
+                         "checkpoint does, and a run resumes from it")
     engine = (make_engine(cfg, backend.unwrapped, tok, placement.devices)
               if placement.hosts_engine else None)
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
@@ -263,14 +270,16 @@ def validate(run: Run, step: int) -> dict:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint `step` (rank 0 writes; under DeepSpeed every rank adds its optimizer shard to
-    the folder rank 0 is building, before the folder is marked complete)."""
+    """Checkpoint `step`: rank 0 writes the weights and trainer state, and every rank adds its
+    optimizer state (its shard, under DeepSpeed) to the folder's backend/ before the folder
+    is marked complete. Older kept checkpoints then drop their backend/ (weights only)."""
     backend = run.backend
-    distributed = run.cfg.backend == "deepspeed"
 
     def backend_state(tmp: Path | None) -> None:
+        if tmp is not None:
+            (tmp / BACKEND_DIR).mkdir()
         where = backend.broadcast_object(str(tmp) if tmp is not None else None)
-        backend.save_state(Path(where) / "backend")
+        backend.save_state(Path(where) / BACKEND_DIR)
         backend.barrier()
 
     if not run.main:
@@ -278,12 +287,11 @@ def save(run: Run, step: int) -> None:
         return
     keep = {run.best["step"]} if run.best["step"] is not None else set()
     save_checkpoint(Path(run.cfg.run_dir), step, model=backend.unwrapped, tokenizer=run.tok,
-                    optimizer=None if distributed else run.optimizer,
-                    scheduler=run.scheduler, keep_last=run.cfg.schedule.keep_last,
-                    keep_steps=keep,
+                    optimizer=None, scheduler=run.scheduler,
+                    keep_last=run.cfg.schedule.keep_last, keep_steps=keep,
                     trainer_state={"step": step, "best": dict(run.best),
                                    "data_order": run.order.state_dict()},
-                    extra_state=backend_state if distributed else None)
+                    extra_state=backend_state)
 
 
 def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> None:
