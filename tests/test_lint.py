@@ -8,7 +8,6 @@ snakefmt-formatted (`./run snakefmt Snakefile workflow/rules/` applies it)."""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,15 +74,6 @@ def parse_lints(text):
         elif item and (m := re.match(r"    \* (.+):$", line)):
             lints.append((item, re.sub(r"\bline \d+", "line N", m.group(1))))
     return lints
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    """A copy of the workflow files, so the lint run never touches the checkout."""
-    for name in ("Snakefile", "workflow", "config", "profiles"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    return tmp_path
 
 
 def test_snakemake_lint_reports_only_deliberate_lints(workdir):

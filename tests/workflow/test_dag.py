@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    """A copy of the workflow files, so runs never touch the checkout's results/."""
-    for name in ("Snakefile", "workflow", "config", "profiles"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    return tmp_path
 
 
 def smk(workdir, *args, timeout=600):

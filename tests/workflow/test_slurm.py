@@ -93,13 +93,10 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture
-def workdir(tmp_path):
-    """A copy of the workflow files, so runs never touch the checkout's results/."""
-    for name in ("Snakefile", "workflow", "config", "profiles"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    (tmp_path / "slurm").symlink_to(os.readlink(ROOT / "slurm"))  # `--profile slurm`
-    return tmp_path
+def workdir(workdir):
+    """The workflow copy (tests/conftest.py) with the root's `slurm` profile link."""
+    (workdir / "slurm").symlink_to(os.readlink(ROOT / "slurm"))  # `--profile slurm`
+    return workdir
 
 
 def merge(base, over):
