@@ -13,10 +13,11 @@ Everything is token ids: the trajectory is never re-tokenised (spec §13.1); the
 tokenised once on its own (`build_probe`) and appended as ids.
 
 Two methods, equal up to float round-off:
-  "kv" (default): one forward over each batch of trajectories with a KV cache — the forward the
-    trainer needs for old log-probs anyway, whose per-token log-probs are returned too
-    ("fused") — then one more forward feeding, per trajectory, T copies of the probe against
-    that cache, with a 4D mask that lets copy t see only the cached keys [0, P_t) and itself.
+  "kv" (default): one decoder forward over each batch of trajectories with a KV cache — the
+    forward the trainer needs for old log-probs anyway, whose per-token log-probs are returned
+    too ("fused", from the hidden states in chunks: no (B, L, V) logits) — then one more
+    forward feeding, per trajectory, T copies of the probe against that cache, with a 4D mask
+    that lets copy t see only the cached keys [0, P_t) and itself.
     Extra tokens: T·a per trajectory (a = probe length) versus Σ_t (P_t + a) for "naive"
     (performance.md §1.2–1.4). Why this variant:
       - a packed pass [traj ∥ probes] with a block mask also processes T·a extra tokens, but
@@ -41,6 +42,8 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import torch
+
+from a2tgpo.algo.logprobs import chunked_logprobs
 
 IGPO_PREFIX = "\nNow there's enough information to answer\n</think>\n<answer>\n"
 IGPO_SUFFIX = "\n</answer><|im_end|>"
@@ -211,8 +214,11 @@ def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
         ids_BL, mask_BL = _pad([trajs[b].ids for b in chunk], device)
         cache = DynamicCache(config=model.config)
         t0 = _clock(device)
-        out = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=_positions(mask_BL),
-                    past_key_values=cache, use_cache=True, logits_to_keep=0 if want_lps else 1)
+        # the decoder alone: its hidden states fill the cache and give the token log-probs in
+        # chunks, without a (B, L, V) logits tensor (16 x 6.5k x 151,936 fp32 ~ 63 GB)
+        hidden_BLH = model.get_decoder()(
+            input_ids=ids_BL, attention_mask=mask_BL, position_ids=_positions(mask_BL),
+            past_key_values=cache, use_cache=True).last_hidden_state
         t1 = _clock(device)
         stats["seconds_trajectory_forward"] = stats.get("seconds_trajectory_forward", 0) + t1 - t0
         stats["forwards"] += 1
@@ -221,11 +227,14 @@ def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
         if any(cache.is_sliding):
             raise ValueError("KV reuse needs full attention in every layer (no sliding window)")
         if lps is not None:
-            logp_BL = out.logits[:, :-1].float().log_softmax(-1)
-            logp_BL = logp_BL.gather(-1, ids_BL[:, 1:, None])[..., 0]
+            B, L = ids_BL.shape
+            logp_N, _ = chunked_logprobs(
+                hidden_NH=hidden_BLH[:, :-1].reshape(B * (L - 1), -1),
+                project=model.get_output_embeddings(), target_N=ids_BL[:, 1:].reshape(-1))
+            logp_BL = logp_N.view(B, L - 1)
             for row, b in enumerate(chunk):
                 lps[b] = logp_BL[row, : len(trajs[b].ids) - 1].tolist()
-        del out
+        del hidden_BLH
         t2 = _clock(device)
         stats["seconds_token_logprobs"] = stats.get("seconds_token_logprobs", 0) + t2 - t1
         if any(trajs[b].probe_points for b in chunk):
