@@ -70,6 +70,11 @@ class TrainSettings:
         False, "Recompute each decoder layer's activations in backward instead of keeping them "
         "(activation memory ~ layers x hidden per token instead of all intermediates; about "
         "one more forward of compute).")
+    reference: Literal["copy", "zero3", "zero3_offload"] = option(
+        "copy", "Where the frozen reference policy of KL methods lives: copy = a full copy on "
+        "every rank's device (2 bytes x parameters per GPU in bf16); zero3 = partitioned over "
+        "the ranks by DeepSpeed ZeRO-3 (1/world each, gathered layer by layer); zero3_offload "
+        "= the partitions in CPU memory. zero3* need backend deepspeed.")
     rollout_tp: int = option(
         1, "engine vllm: ranks (GPUs) per rollout engine, tensor parallel; the first rank of "
         "each group runs the group's rollouts (1 = one engine per rank).")
@@ -92,6 +97,9 @@ class TrainSettings:
                              "full parameters on every rank); use zero_stage 1 or 2")
         if self.zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.reference != "copy" and self.backend != "deepspeed":
+            raise ValueError(f"reference {self.reference} partitions the reference over "
+                             "DeepSpeed ranks: it needs backend deepspeed (use reference copy)")
         if self.rollout_tp < 1:
             raise ValueError(f"rollout_tp must be >= 1, got {self.rollout_tp}")
         if not 0 < self.engine_memory_share <= 1:

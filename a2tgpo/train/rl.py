@@ -29,7 +29,6 @@ writes the run folder and tracks.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -84,7 +83,14 @@ from a2tgpo.train.distributed import (
     engine_placement,
     init_distributed,
 )
-from a2tgpo.train.update import UpdateBatch, UpdateLog, batched_logprobs, update_policy
+from a2tgpo.train.reference import ReferencePolicy
+from a2tgpo.train.update import (
+    UpdateBatch,
+    UpdateLog,
+    batched_logprobs,
+    micro_batches,
+    update_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +110,7 @@ class Run:
     placement: EnginePlacement
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref_model: torch.nn.Module | None
+    ref: ReferencePolicy | None  # methods with a KL term
     tok: Any
     engine: Any
     tool: SearchTool
@@ -143,12 +149,12 @@ def train(cfg: TrainConfig) -> dict:
                 save(run, done)
             if stop:
                 log.warning("preemption requested: saved step %d, exiting", done)
-                run.backend.close()
+                _close(run)
                 raise SystemExit(EXIT_PREEMPTED)
         summary = {"steps": sched.steps, "best_step": run.best["step"],
                    "best_val_em": run.best["val_em"]}
         run.tracker.summary(summary)
-    run.backend.close()
+    _close(run)
     return summary
 
 
@@ -207,7 +213,9 @@ def start_run(cfg: TrainConfig) -> Run:
     model = load_model(cfg.backbone, device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = _frozen_copy(model) if cfg.method.loss.kl_coef > 0 else None
+    # the starting policy, before a checkpoint's weights are loaded into `model`
+    ref = (ReferencePolicy(model, cfg.reference, device) if cfg.method.loss.kl_coef > 0
+           else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -236,7 +244,7 @@ def start_run(cfg: TrainConfig) -> Run:
     engine = (make_engine(cfg, backend.unwrapped, tok, placement.devices)
               if placement.hosts_engine else None)
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
-              scheduler=scheduler, ref_model=ref_model, tok=tok, engine=engine,
+              scheduler=scheduler, ref=ref, tok=tok, engine=engine,
               tool=SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok,
                               cfg.rollout),
               train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
@@ -412,7 +420,8 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
     if not cfg.method.info_gain.enabled:
         with clock("old_logprob"):
             old_BL[mine] = batched_logprobs(backend.unwrapped, batch, mine,
-                                            cfg.schedule.micro_batch_size, backend.device)
+                                            cfg.schedule.micro_batch_size, backend.device,
+                                            max_tokens=cfg.schedule.micro_batch_tokens)
             return _gather_rows(backend, old_BL, mine), None, {}
     with clock("info_gain+old_logprob"):
         values, lps, stats = score_gold_logprobs(
@@ -432,16 +441,21 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
 
 
 def reference_logprobs(run: Run, batch: Batch, clock: Clock) -> torch.Tensor | None:
-    """log π_ref of every token (B, L) for methods with a KL term, else None."""
-    if run.ref_model is None:
+    """log π_ref of every token (B, L) for methods with a KL term, else None. The rows are
+    split as the update splits them (`micro_batches`: the same number of micro-batches on
+    every rank, which a ZeRO-3 reference needs) and gathered back."""
+    if run.ref is None:
         return None
-    backend = run.backend
+    backend, sched = run.backend, run.cfg.schedule
     B, L = batch.input_ids.shape
-    mine = list(range(backend.rank, B, backend.world_size))
+    lengths = dict(enumerate(batch.attention_mask.sum(1).tolist()))
+    plan = micro_batches(lengths, list(range(B)), backend.world_size,
+                         max_rows=sched.micro_batch_size,
+                         max_tokens=sched.micro_batch_tokens)[backend.rank]
     with clock("ref_logprob"):
+        mine, values = run.ref.logprobs(batch, plan)
         ref_BL = torch.zeros(B, L)
-        ref_BL[mine] = batched_logprobs(run.ref_model, batch, mine,
-                                        run.cfg.schedule.micro_batch_size, backend.device)
+        ref_BL[mine] = values
         return _gather_rows(backend, ref_BL, mine)
 
 
@@ -667,11 +681,10 @@ def _epochs(cfg: TrainConfig, n_questions: int) -> int:
     return math.ceil(sched.steps * per_step / max(1, n_questions)) + 1
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
+def _close(run: Run) -> None:
+    if run.ref is not None:
+        run.ref.close()
+    run.backend.close()
 
 
 def _make_backend(cfg: TrainConfig, model, optimizer):

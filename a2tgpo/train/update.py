@@ -83,25 +83,21 @@ def final_hidden(model, ids: torch.Tensor, attention_mask: torch.Tensor,
                    use_cache=False).last_hidden_state
 
 
-def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
-                   device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(x_t | x_<t) at every position t (0 at t = 0) for the selected rows, from the final
-    hidden states in chunks of `chunk_tokens` (algo/logprobs.py): no (b, L, V) tensor.
-    `length`: only the first `length` columns (rows are right-padded).
+def hidden_logprobs(hidden_bLH: torch.Tensor, ids_bL: torch.Tensor, project, *,
+                    with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(x_t | x_<t) at every position t (0 at t = 0) from the final hidden states and the
+    output layer `project`, in chunks of `chunk_tokens` (algo/logprobs.py): no (b, L, V) tensor.
 
-    Shapes: -> logp_bL (b, L') and entropy_bL (b, L') (entropy of the distribution that
-    predicted token t), aligned with batch.input_ids[:, :L'], L' = length or L.
+    Shapes: hidden_bLH (b, L, H), ids_bL (b, L) -> logp_bL (b, L) and entropy_bL (b, L) (the
+    entropy of the distribution that predicted token t) or None.
     """
-    cols = slice(0, length)
-    ids = batch.input_ids[rows][:, cols].to(device)
-    h = final_hidden(model, ids, batch.attention_mask[rows][:, cols].to(device),
-                     batch.position_ids[rows][:, cols].to(device))
-    b, L = ids.shape
+    b, L = ids_bL.shape
+    # the hidden size named: with L = 1 there are no tokens, and -1 would be ambiguous
     lp, ent = chunked_logprobs(
-        hidden_NH=h[:, :-1].reshape(b * (L - 1), -1),
-        project=getattr(model, "module", model).get_output_embeddings(),
-        target_N=ids[:, 1:].reshape(-1), with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        hidden_NH=hidden_bLH[:, :-1].reshape(b * (L - 1), hidden_bLH.shape[-1]),
+        project=project, target_N=ids_bL[:, 1:].reshape(-1), with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens)
     zero = torch.zeros(b, 1, dtype=lp.dtype, device=lp.device)
     lp = torch.cat([zero, lp.view(b, L - 1)], dim=1)
     if ent is None:
@@ -109,13 +105,49 @@ def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy
     return lp, torch.cat([zero, ent.view(b, L - 1)], dim=1)
 
 
+def row_inputs(batch: Batch, rows: slice | list[int], length: int | None, device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, position ids) of `rows`, the first `length` columns (all: None)."""
+    cols = slice(0, length)
+    return tuple(x[rows][:, cols].to(device)
+                 for x in (batch.input_ids, batch.attention_mask, batch.position_ids))
+
+
+def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
+                   device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`hidden_logprobs` of the selected rows through `model` and its own output layer.
+    `length`: only the first `length` columns (rows are right-padded).
+
+    Shapes: -> logp_bL (b, L') and entropy_bL (b, L'), aligned with batch.input_ids[:, :L'],
+    L' = length or L.
+    """
+    ids, mask, pos = row_inputs(batch, rows, length, device)
+    return hidden_logprobs(final_hidden(model, ids, mask, pos), ids,
+                           getattr(model, "module", model).get_output_embeddings(),
+                           with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+
+
+def row_length(batch: Batch, rows: list[int]) -> int:
+    """The longest row of `rows` in tokens (>= 1): columns past it hold only padding."""
+    return max(1, int(batch.attention_mask[rows].sum(1).max())) if rows else 1
+
+
 @torch.no_grad()
-def batched_logprobs(model, batch: Batch, rows: list[int], size: int, device) -> torch.Tensor:
-    """token_logprobs of `rows` in micro-batches of `size`, on CPU. -> (len(rows), L)"""
-    if not rows:
-        return torch.zeros(0, batch.input_ids.shape[1])
-    return torch.cat([token_logprobs(model, batch, rows[s: s + size], device=device)[0].cpu()
-                      for s in range(0, len(rows), size)])
+def batched_logprobs(model, batch: Batch, rows: list[int], size: int, device, *,
+                     max_tokens: int = 0) -> torch.Tensor:
+    """token_logprobs of `rows` (no gradients), in micro-batches of `size` rows or packed under
+    `max_tokens` (`micro_batches` on one rank), each cut to its own longest row; on CPU.
+    -> (len(rows), L), 0 past each micro-batch's length."""
+    out = torch.zeros(len(rows), batch.input_ids.shape[1])
+    where = {b: i for i, b in enumerate(rows)}
+    lengths = dict(zip(rows, batch.attention_mask[rows].sum(1).tolist(), strict=True))
+    for mb in micro_batches(lengths, rows, 1, max_rows=size, max_tokens=max_tokens)[0]:
+        if mb:
+            n = row_length(batch, mb)
+            out[[where[b] for b in mb], :n] = token_logprobs(model, batch, mb, device=device,
+                                                             length=n)[0].cpu()
+    return out
 
 
 def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.Tensor,
@@ -126,7 +158,7 @@ def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.T
     policy_loss diagnostics)."""
     b = data.batch
     # right padding: columns past the micro-batch's longest row hold nothing of it
-    n = max(1, int(b.attention_mask[rows].sum(1).max()))
+    n = row_length(b, rows)
     cut = lambda x: x[rows][:, :n].to(device)  # noqa: E731
     mask_bL = mask_bL[:, :n]
     agg = dict(global_tokens=tokens, global_seqs=seqs, dp_size=world, norm_length=norm_length)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from a2tgpo.algo.methods import LossConfig
 from a2tgpo.rollout.trajectory import Batch
@@ -38,7 +39,14 @@ from a2tgpo.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from a2tgpo.train.update import UpdateBatch, UpdateLog, batched_logprobs, update_mini_batch
+from a2tgpo.train.reference import ReferencePolicy
+from a2tgpo.train.update import (
+    UpdateBatch,
+    UpdateLog,
+    batched_logprobs,
+    micro_batches,
+    update_mini_batch,
+)
 
 ROWS, LENGTH, PROMPT, VOCAB = 24, 16, 4, 64
 MINI_BATCHES = ((0, 8), (8, 21), (21, 24))  # row ranges: 8, 13 and 3 rows
@@ -51,6 +59,7 @@ LOSSES = (
                agg_mode="seq-mean-token-sum", kl_coef=0.05, kl_kind="low_var_kl"),
 )
 MICRO_BATCH = 2
+REF_ROWS = list(range(2, 15))  # 13 rows for the reference passes: uneven over 2 ranks
 # update 1 packs by tokens instead: every row is 16 tokens, so 2 rows per 40-token micro-batch
 # (7 rows on rank 0 -> 4 micro-batches, 6 on rank 1 -> 3 and an empty one)
 BUDGETS = (0, 40, 0)
@@ -184,6 +193,28 @@ def run(zero_stage: int | None, batch: UpdateBatch, out: Path) -> None:
     resumed.close()
 
 
+def reference_pass(placement: str, batch: UpdateBatch, out: Path) -> None:
+    """log π_ref of REF_ROWS through `ReferencePolicy` at `placement`, the rows split over the
+    ranks by `micro_batches` (2 rows each: 4 micro-batches on rank 0, 3 and an empty one on
+    rank 1), gathered; the main rank writes OUT/reference_<placement>.pt (len(REF_ROWS), L)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    ref = ReferencePolicy(build_model(seed=0), placement, "cpu")
+    lengths = dict(enumerate(batch.batch.attention_mask.sum(1).tolist()))
+    plan = micro_batches(lengths, REF_ROWS, world, max_rows=MICRO_BATCH)[rank]
+    parts = [ref.logprobs(batch.batch, plan)]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, ref.logprobs(batch.batch, plan))
+    ref.close()
+    if rank == 0:
+        full = torch.zeros(ROWS, LENGTH)
+        for rows, values in parts:
+            full[rows] = values
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(full[REF_ROWS], out / f"reference_{placement}.pt")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -198,11 +229,14 @@ def main() -> None:
     batch = synthetic_batch(build_model(seed=0))
     if not args.zero_stages:
         run(None, batch, args.out / "single")
+        reference_pass("copy", batch, args.out / "single")
         return
     init_distributed()
     try:
         for stage in args.zero_stages:
             run(stage, batch, args.out / f"zero{stage}")
+        for placement in ("zero3", "zero3_offload"):
+            reference_pass(placement, batch, args.out)
     finally:
         shutdown_distributed()
 

@@ -1,5 +1,6 @@
 """`a2tgpo train` with backend deepspeed: 2 ranks through the real `deepspeed` launcher (CPU,
-gloo, ZeRO-2) on the toy world, then a resume from the sharded checkpoint.
+gloo, ZeRO-2, the KL reference under ZeRO-3) on the toy world, then a resume from the sharded
+checkpoint.
 
 The update arithmetic of the split (rows rank::world, global counts, dp_size) is checked
 against one process in test_distributed.py; here the whole recipe runs: each rank rolls out
@@ -58,8 +59,9 @@ def test_two_rank_training_runs_gathers_and_resumes(toy_train_config, tmp_path):
         METHODS["grpo"].rollout, n=N))
     schedule = ScheduleConfig(steps=2, prompts_per_step=PROMPTS, mini_batch_prompts=1,
                               micro_batch_size=2, eval_every=2, eval_questions=4, save_every=1)
+    # grpo's KL term through the reference partitioned over the ranks, as config/paper.yaml
     cfg = toy_train_config(tmp_path / "run", method, schedule=schedule, backend="deepspeed",
-                           zero_stage=2)
+                           zero_stage=2, reference="zero3")
     dump_config(cfg, tmp_path / "cfg.yaml")
     done = _launch(tmp_path / "cfg.yaml")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -76,6 +78,9 @@ def test_two_rank_training_runs_gathers_and_resumes(toy_train_config, tmp_path):
         # the whole step's batch, gathered from both ranks' rollouts
         assert rows[step]["rollout/trajectories"] == PROMPTS * N
         assert math.isfinite(rows[step]["loss/total"])
+        # the policy has moved from the reference by step 2 (lr 1e-3): a KL of exactly 0 there
+        # would mean the reference pass returned the policy's own log-probs or nothing
+        assert math.isfinite(rows[step]["loss/kl"]) and (step == 1 or rows[step]["loss/kl"] != 0)
     assert "val/em" in rows[2]
 
     from safetensors.torch import load_file

@@ -42,6 +42,7 @@ from a2tgpo.rollout.trajectory import Trajectory, Turn
 from a2tgpo.train import rl, update
 from a2tgpo.train.config import ScheduleConfig, TrainConfig
 from a2tgpo.train.distributed import EnginePlacement, SingleBackend
+from a2tgpo.train.reference import ReferencePolicy
 
 EPS = 1e-6  # AdvantageConfig.eps: added to every std
 PROMPT = (1, 2)
@@ -204,7 +205,7 @@ def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]
                  placement=EnginePlacement(hosts_engine=True, group=0, n_groups=1, devices=(0,)),
                  optimizer=optimizer,
                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0),
-                 ref_model=rl._frozen_copy(model) if method.loss.kl_coef > 0 else None,
+                 ref=ReferencePolicy(model, "copy", "cpu") if method.loss.kl_coef > 0 else None,
                  tok=_Tok(), engine=HfEngine(model, _Tok()), tool=None, train_qs=[], dev_qs=[],
                  order=None, start=0)
 
@@ -281,6 +282,12 @@ def test_a_reward_that_cannot_read_the_prompts_answers_is_refused():
 def test_zero_stage_3_is_refused_by_the_config():
     with pytest.raises(ValueError, match="zero_stage 3 is not supported"):
         _config(method=METHODS["grpo"], backend="deepspeed", zero_stage=3)
+
+
+def test_a_partitioned_reference_needs_deepspeed_ranks():
+    _config(method=METHODS["grpo"], backend="deepspeed", reference="zero3")  # consistent
+    with pytest.raises(ValueError, match="reference zero3_offload .* needs backend deepspeed"):
+        _config(method=METHODS["grpo"], reference="zero3_offload")
 
 
 def test_filter_metric_picks_the_value_whose_spread_keeps_a_group():
