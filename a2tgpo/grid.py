@@ -84,7 +84,8 @@ class TrainSection(TrainSettings):
 
     nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).")
     nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).")
-    threads: int = option(1, "CPU threads per training/evaluation job (torch intra-op).")
+    threads: int = option(1, "CPU threads per training job (torch intra-op); evaluation jobs: "
+                             "eval.threads.")
     overrides: tuple[str, ...] = option(
         (), "Dotted TrainConfig overrides applied to every cell, e.g. "
         "\"method.rollout.n=4\".")

@@ -53,6 +53,47 @@ class CorpusSection:
     )
 
 
+@dataclass(frozen=True)
+class EvalSection:
+    """How the DAG runs the evaluation jobs (rules evaluate and evaluate_all): their resources,
+    and the settings of their rollout engine that change speed and memory, not results."""
+
+    gpus: int = option(
+        1, "GPUs per evaluation job when train.device is not cpu (built toy backbones get none); "
+        "0 = a CPU job. The job runs one engine: with engine vllm it is tensor parallel over "
+        "train.rollout_tp GPUs, so give that many.")
+    threads: int = option(1, "CPU threads per evaluation job (torch intra-op).")
+    mem_mb: int = option(8000, "Memory request of an evaluation job (MB).")
+    runtime_min: int = option(
+        60, "Wall-time request of an evaluation job (minutes, SLURM), for one checkpoint on "
+        "the cell's test sets.")
+    runtime_all_min: int | None = option(
+        None, "Wall-time request of evaluate_all (train.selection: test_avg, every saved "
+        "checkpoint; minutes); null = runtime_min x the checkpoints the cell saves. A job that "
+        "runs out keeps the checkpoints it finished, and the rerun continues.")
+    engine_memory_share: float = option(
+        0.9, "engine vllm: share of the GPU's memory the evaluation engine takes (vLLM "
+        "gpu_memory_utilization). Replaces train.engine_memory_share, which leaves room for "
+        "the trainer: nothing else runs in an evaluation job, so the KV cache can take it "
+        "(a train.engine_kv_cache_gb still fixes the KV cache).")
+    chunk: int = option(1024, "Questions per rollout call, all test sets pooled (larger = "
+                              "larger engine batches).")
+    max_batch: int | None = option(
+        None, "engine hf: sequences per forward pass; null = 32 on CPU, the engine's default "
+        "on GPU.")
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0:
+            raise ValueError(f"gpus must be >= 0, got {self.gpus}")
+        for key in ("threads", "mem_mb", "runtime_min", "chunk", "runtime_all_min", "max_batch"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if not 0 < self.engine_memory_share <= 1:
+            raise ValueError(f"engine_memory_share must be in (0, 1], got "
+                             f"{self.engine_memory_share}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StudyConfig:
     """One study: everything `snakemake` needs to run it."""
@@ -86,6 +127,8 @@ class StudyConfig:
                               factory=_default_grid)
     train: TrainSection = option(doc="Settings shared by every cell's training run.",
                                  factory=TrainSection)
+    eval: EvalSection = option(doc="Evaluation jobs: resources and engine memory.",
+                               factory=EvalSection)
     tracking: TrackingConfig = option(doc="metrics.jsonl + MLflow (one run per cell).",
                                       factory=TrackingConfig)
     report: ReportConfig = option(doc="Tables and plots: rows, columns, labels.",
@@ -153,6 +196,13 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
                     raise ConfigError(f"{source}: tracks.{name}.{key}[{i}]: no data.{key} "
                                       f"source named {n!r} ({', '.join(sorted(known))})")
     validate_grid(study.grid, study.backbones, study.methods_dir, source, study.track_names)
+    train, gpus = study.train, study.eval.gpus
+    need = train.rollout_tp if train.engine == "vllm" else 1
+    if train.device != "cpu" and gpus and gpus != need:
+        # one engine per job: fewer GPUs fail at start-up, more sit idle
+        raise ConfigError(f"{source}: eval.gpus: {gpus}, but an evaluation job runs one "
+                          f"{train.engine} engine on {need} GPU(s)"
+                          + (" (train.rollout_tp)" if train.engine == "vllm" else ""))
     return study
 
 

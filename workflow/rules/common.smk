@@ -134,6 +134,18 @@ def job_gpus(backbone_id, n=1):
     return 0 if STUDY.train.device == "cpu" or BACKBONES[backbone_id].needs_build else n
 
 
+def eval_all_runtime(wc):
+    """evaluate_all's wall time: eval.runtime_all_min, else eval.runtime_min per checkpoint
+    the cell saves (step 0, every save_every steps, the last; ReAct: step 0 only)."""
+    ev = STUDY.eval
+    if ev.runtime_all_min is not None:
+        return ev.runtime_all_min
+    cfg = resolve_cell(wc.cell)
+    sched = cfg.schedule
+    n = 1 + -(-sched.steps // sched.save_every) if cfg.method.train else 1
+    return ev.runtime_min * n
+
+
 def train_command(wc, threads):
     """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
     train = STUDY.train

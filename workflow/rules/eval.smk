@@ -1,6 +1,14 @@
 # Checkpoint selection and evaluation of every cell: best.json, then eval/ (EM/F1 per test set,
 # predictions, group averages), logged into the cell's MLflow run.
 
+EVAL = STUDY.eval
+# The engine's memory share and batching change speed, not results: they go into the command,
+# not params, so under the cluster profile (whose rerun triggers leave out code) editing them
+# does not rerun finished evaluations. The override comes before the options that take lists.
+EVAL_ARGS = f"engine_memory_share={EVAL.engine_memory_share} --chunk {EVAL.chunk}" + (
+    f" --max-batch {EVAL.max_batch}" if EVAL.max_batch else ""
+)
+
 
 rule evaluate_all:
     """The papers' protocol (train.selection: test_avg): every saved checkpoint on the test
@@ -13,15 +21,17 @@ rule evaluate_all:
         f"{R}/runs/{{cell}}/eval_all.done",
     log:
         f"{R}/logs/runs/{{cell}}/evaluate_all.log",
-    threads: TRAIN.threads
+    threads: EVAL.threads
     resources:
-        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
-        runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
+        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
+        runtime=eval_all_runtime,
+        mem_mb=EVAL.mem_mb,
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --all-checkpoints "
+        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} "
+        + EVAL_ARGS
+        + " --all-checkpoints "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval_all > {log} 2>&1 "
         "&& touch {output}"
 
@@ -55,13 +65,15 @@ rule evaluate:
         f"{R}/runs/{{cell}}/eval/summary.json",
     log:
         f"{R}/logs/runs/{{cell}}/evaluate.log",
-    threads: TRAIN.threads
+    threads: EVAL.threads
     resources:
-        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone),
-        runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
+        gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
+        runtime=EVAL.runtime_min,
+        mem_mb=EVAL.mem_mb,
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} --best {input.best} "
+        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} "
+        + EVAL_ARGS
+        + " --best {input.best} "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
