@@ -49,3 +49,46 @@ def test_write_section_round_trips(tmp_path):
     world = load_config(WorldConfig, out)
     assert world.seed == 5 and world == load_study(ROOT / "config/config.yaml",
                                                    ["world.seed=5"]).world
+
+
+def test_eval_section_defaults_and_paper_values():
+    from a2tgpo.study import EvalSection
+
+    assert load_study(ROOT / "config/config.yaml").eval == EvalSection()  # the toy: defaults
+    written = yaml.safe_load((ROOT / "config/paper.yaml").read_text())["eval"]
+    paper = load_study(ROOT / "config/paper.yaml")
+    assert {k: getattr(paper.eval, k) for k in written} == written
+    assert paper.eval.engine_memory_share != paper.train.engine_memory_share
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.gpus=-1", r"eval: gpus must be >= 0, got -1"),
+    ("eval.threads=0", r"eval: threads must be >= 1, got 0"),
+    ("eval.mem_mb=0", r"eval: mem_mb must be >= 1, got 0"),
+    ("eval.runtime_min=0", r"eval: runtime_min must be >= 1, got 0"),
+    ("eval.runtime_all_min=0", r"eval: runtime_all_min must be >= 1, got 0"),
+    ("eval.chunk=0", r"eval: chunk must be >= 1, got 0"),
+    ("eval.max_batch=0", r"eval: max_batch must be >= 1, got 0"),
+    ("eval.engine_memory_share=0", r"eval: engine_memory_share must be in \(0, 1\], got 0"),
+    ("eval.engine_memory_share=1.5", r"eval: engine_memory_share must be in \(0, 1\]"),
+    ("eval.mem_mb=lots", r"eval\.mem_mb: expected int, got 'lots'"),
+    ("eval.gpu=2", r"eval\.gpu: unknown key \(did you mean 'gpus'"),
+])
+def test_eval_section_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_study(ROOT / "config/config.yaml", [override])
+
+
+def test_eval_gpus_must_fit_the_one_engine_of_an_evaluation_job():
+    paper = ROOT / "config/paper.yaml"
+    # vLLM, tensor parallel over train.rollout_tp GPUs: fewer fail at start-up, more sit idle
+    for rollout_tp, gpus in ((2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match=rf"eval\.gpus: {gpus}, but an evaluation job "
+                           rf"runs one vllm engine on {rollout_tp} GPU"):
+            load_study(paper, [f"train.rollout_tp={rollout_tp}", f"eval.gpus={gpus}"])
+    assert load_study(paper, ["train.rollout_tp=2", "eval.gpus=2"]).eval.gpus == 2
+    assert load_study(paper, ["eval.gpus=0"]).eval.gpus == 0  # a CPU job
+    # the hf engine runs on one device; a CPU study requests no GPU whatever eval.gpus says
+    with pytest.raises(ConfigError, match=r"eval\.gpus: 2, but .* one hf engine on 1 GPU"):
+        load_study(paper, ["train.engine=hf", "eval.gpus=2"])
+    assert load_study(ROOT / "config/config.yaml", ["eval.gpus=4"]).eval.gpus == 4

@@ -244,6 +244,42 @@ def test_broken_tracking_does_not_fail_evaluation(toy_cell, own_cell, caplog):
                for r in caplog.records)
 
 
+def test_eval_engine_share_reaches_the_engine_config(toy_cell, own_cell, monkeypatch):
+    # the arguments eval.smk puts after the cell config (eval.engine_memory_share, eval.chunk)
+    import dataclasses
+
+    from a2tgpo.cli import main
+    from a2tgpo.config import load_config
+    from a2tgpo.eval import evaluate
+    from a2tgpo.train.config import TrainConfig
+
+    cell, cfg = own_cell
+    assert load_config(TrainConfig, cell / "config.yaml").engine_memory_share == 0.6
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def make_engine(cfg, model, tok, devices=None):
+        built.append(cfg)
+        raise Built  # the config is what this test needs; no rollouts
+
+    monkeypatch.setattr(evaluate, "make_engine", make_engine)
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 2,
+        "checkpoint": "checkpoints/step_000002/model", "value": 0.5, "candidates": {"2": 0.5}}))
+    with pytest.raises(Built):
+        main(["evaluate", str(cell / "config.yaml"), "engine_memory_share=0.85", "--chunk", "256",
+              "--best", str(cell / "best.json"), "--test", str(toy_cell.tests["ts"]),
+              "--out", str(cell / "eval")])
+    (engine_cfg,) = built
+    assert engine_cfg.engine_memory_share == 0.85
+    # nothing else changed: the backbone is the selected checkpoint, as without the override
+    assert engine_cfg.backbone.path == str(cell / "checkpoints/step_000002/model")
+    assert dataclasses.replace(engine_cfg, engine_memory_share=0.6,
+                               backbone=cfg.backbone) == cfg
+
+
 def test_missing_best_json_is_a_clear_cli_error(toy_cell, own_cell, capsys):
     from a2tgpo.cli import main
 

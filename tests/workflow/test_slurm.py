@@ -160,9 +160,10 @@ def run_snakemake(workdir, env, log, interventions=None):
     return proc.returncode, log.read_text()
 
 
-def dry_run_jobs(workdir, *args):
+def dry_run_jobs(workdir, *args, shell=False):
     """`snakemake -n` of the paper study with the given profile arguments: one (rule, threads,
-    resources) per job (--cores only lifts the dry run's cap of 1 on the threads it prints)."""
+    resources) per job, plus its shell command with `shell` (--cores only lifts the dry run's
+    cap of 1 on the threads it prints)."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
     r = subprocess.run([SNAKEMAKE, "-n", "--cores", "1024", *args,
                         "--configfile", "config/paper.yaml"],
@@ -175,8 +176,12 @@ def dry_run_jobs(workdir, *args):
             continue
         res = re.search(r"^    resources: (.*)$", block, re.M)
         threads = re.search(r"^    threads: (\d+)$", block, re.M)
-        found.append((m.group(1), int(threads.group(1)) if threads else 1,
-                      dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {}))
+        job = (m.group(1), int(threads.group(1)) if threads else 1,
+               dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {})
+        if shell:
+            cmd = re.search(r"^Shell command: (.*)$", block, re.M)
+            job += (cmd.group(1) if cmd else "",)
+        found.append(job)
     return found
 
 
@@ -193,7 +198,13 @@ def test_profile_resource_mapping_dry_run(workdir):
     assert threads == train["threads"] and "cpus_per_task" not in res, res
     assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
         train["nproc"] * train["nodes"], train["mem_mb"], train["runtime_min"]), res
-    assert by_rule["evaluate"][1]["gpu"] == "1"
+    # evaluation jobs: the study config's eval section, not training's resources
+    ev = yaml.safe_load((workdir / "config/paper.yaml").read_text())["eval"]
+    threads, res = by_rule["evaluate"]
+    assert threads == ev["threads"] and "cpus_per_task" not in res, res
+    assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
+        ev["gpus"], ev["mem_mb"], ev["runtime_min"]), res
+    assert (ev["mem_mb"], ev["runtime_min"]) != (train["mem_mb"], train["runtime_min"])
     # CPU jobs: no GPU, the profile's CPUs and memory
     assert "gpu" not in by_rule["prepare_track_data"][1], by_rule["prepare_track_data"]
     assert by_rule["prepare_track_data"][1]["cpus_per_task"] == "4"
@@ -205,6 +216,33 @@ def test_profile_resource_mapping_dry_run(workdir):
         again = dry_run_jobs(workdir, "--profile", profile)
         norm = lambda js: sorted(repr((r, t, sorted(res.items()))) for r, t, res in js)  # noqa: E731
         assert norm(again) == norm(jobs_), profile
+
+
+def test_eval_jobs_take_the_eval_section_dry_run(workdir):
+    # the paper study under the papers' selection (evaluate_all too), with eval values that
+    # differ from every training value, and evaluate_all's wall time left to the checkpoints
+    path = workdir / "config/paper.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["train"]["selection"] = "test_avg"
+    cfg["eval"] = {"gpus": 1, "threads": 3, "mem_mb": 12345, "runtime_min": 77,
+                   "engine_memory_share": 0.85, "chunk": 256}
+    path.write_text(yaml.safe_dump(cfg))
+    jobs_ = dry_run_jobs(workdir, "--workflow-profile", "profiles/slurm", shell=True)
+    seen = set()
+    for rule, threads, res, cmd in jobs_:
+        if rule not in ("evaluate", "evaluate_all"):
+            continue
+        seen.add(rule)
+        assert threads == 3 and "OMP_NUM_THREADS=3 " in cmd, (rule, threads, cmd)
+        assert (res["gpu"], res["mem_mb"]) == ("1", "12345"), (rule, res)
+        # 240 steps saved every 20, plus step 0: 13 checkpoints (ReAct trains none: step 0)
+        per_ckpt = 1 if rule == "evaluate" or "method~react/" in cmd else 13
+        assert int(res["runtime"]) == 77 * per_ckpt, (rule, res, cmd)
+        # the engine share reaches `a2tgpo evaluate` as an override of the cell's config,
+        # before the list-valued --test
+        assert re.search(r"a2tgpo evaluate \S+/config\.yaml engine_memory_share=0\.85 "
+                         r"--chunk 256 --(best|all-checkpoints) ", cmd), cmd
+    assert seen == {"evaluate", "evaluate_all"}
 
 
 @pytest.mark.slow
