@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from a2tgpo.cell import Cell
 from a2tgpo.config import (
     ConfigError,
     apply_overrides,
@@ -26,7 +27,15 @@ from a2tgpo.config import (
 from a2tgpo.data.corpus import CorpusConfig
 from a2tgpo.data.qa import DataConfig
 from a2tgpo.data.world import WorldConfig
-from a2tgpo.grid import CellSet, GridConfig, TrackConfig, TrainSection, validate_grid
+from a2tgpo.grid import (
+    CellSet,
+    GridConfig,
+    TrackConfig,
+    TrainSection,
+    cell_config,
+    cells_of,
+    validate_grid,
+)
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
@@ -225,3 +234,53 @@ def section(study: StudyConfig, dotted: str) -> Any:
 def write_section(path: str | Path, overrides, dotted: str, output: str | Path) -> None:
     """Validate the study config and write one section, defaults filled in, to `output`."""
     dump_config(section(load_study(path, overrides), dotted), output)
+
+
+# --------------------------------------------------------------------------------------------
+# the study's cells and where their inputs live (the workflow's rules read the same functions)
+
+
+def data_dir(study: StudyConfig, track: str) -> str:
+    """Prepared data of a track: <root>/data (no tracks) or <root>/data/<track>."""
+    return f"{study.root}/data/{track}" if track else f"{study.root}/data"
+
+
+def corpus_file(study: StudyConfig) -> str:
+    """The retrieval corpus the index rules read (wiki-18 format JSONL, maybe gzipped)."""
+    if study.corpus.source == "world":
+        return f"{study.root}/world/corpus.jsonl"
+    return f"{study.root}/corpus/{study.corpus.download.filename}"
+
+
+def index_file(study: StudyConfig) -> str:
+    """The faiss index retrievers load: prebuilt (checked by rule check_index) or built by
+    rule build_index."""
+    return study.retrieval.index.prebuilt or f"{study.root}/index/dense.faiss"
+
+
+def policy_dir(study: StudyConfig, backbone_id: str) -> str:
+    """Where a cell's starting policy lives: the warm-started model for built (toy) backbones,
+    the released weights (hub id or local path) otherwise."""
+    cfg = study.backbone(backbone_id)
+    return f"{study.root}/sft" if cfg.needs_build else cfg.path
+
+
+def study_cells(study: StudyConfig) -> dict[str, list[Cell]]:
+    """The cells of every grid set, by set name, in a stable order."""
+    betas = validate_grid(study.grid, study.backbones, study.methods_dir, "config",
+                          study.track_names)
+    return {name: cells_of(study.grid, name, study.backbones, betas, study.track_names)
+            for name in study.grid.sets}
+
+
+def resolve_cell(study: StudyConfig, path: str):
+    """The resolved TrainConfig of the cell at `path` (what `a2tgpo train` reads)."""
+    cell = Cell.parse(path)
+    backbone = dataclasses.replace(study.backbone(cell.backbone),
+                                   path=policy_dir(study, cell.backbone))
+    return cell_config(
+        cell, study=study.study, results_root=str(study.root), backbone=backbone,
+        train=study.train, methods_dir=study.methods_dir, retrieval=study.retrieval,
+        tracking=study.tracking, train_file=f"{data_dir(study, cell.data)}/train.parquet",
+        dev_file=f"{data_dir(study, cell.data)}/dev.parquet", corpus=corpus_file(study),
+        index=index_file(study))

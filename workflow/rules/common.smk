@@ -9,6 +9,7 @@ from snakemake.utils import validate
 validate(config, "../schemas/config.schema.yaml")
 
 # 2. the strict loader: the same dataclasses, plus cross-file checks (backbone files exist)
+import a2tgpo.study as study_lib
 from a2tgpo.config import ConfigError, to_dict
 from a2tgpo.study import study_from_dict
 
@@ -36,16 +37,11 @@ def uses_world():
 
 
 def corpus_file():
-    """The retrieval corpus the index rules read (wiki-18 format JSONL, maybe gzipped)."""
-    if STUDY.corpus.source == "world":
-        return f"{R}/world/corpus.jsonl"
-    return f"{R}/corpus/{STUDY.corpus.download.filename}"
+    return study_lib.corpus_file(STUDY)
 
 
 def index_file():
-    """The faiss index retrievers load: prebuilt (checked by rule check_index) or built by
-    rule build_index."""
-    return STUDY.retrieval.index.prebuilt or f"{R}/index/dense.faiss"
+    return study_lib.index_file(STUDY)
 
 
 def all_targets():
@@ -70,20 +66,15 @@ wildcard_constraints:
 # --------------------------------------------------------------------------------------------
 # the grid: one row per cell, self-describing paths runs/backbone~B/method~M/beta~X/seed~N
 
-from a2tgpo.grid import CELL_PATTERN, Cell, cell_config, cells_of, validate_grid
+from a2tgpo.grid import CELL_PATTERN, Cell
 
 TRACKS = STUDY.track_names  # ("",) without tracks: one model on all training sets
-METHOD_BETA = validate_grid(STUDY.grid, STUDY.backbones, STUDY.methods_dir, "config", TRACKS)
-SET_CELLS = {
-    name: cells_of(STUDY.grid, name, STUDY.backbones, METHOD_BETA, TRACKS)
-    for name in STUDY.grid.sets
-}
+SET_CELLS = study_lib.study_cells(STUDY)
 DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
 
 
 def data_dir(track):
-    """Prepared data of a track: results/<study>/data (no tracks) or .../data/<track>."""
-    return f"{R}/data/{track}" if track else f"{R}/data"
+    return study_lib.data_dir(STUDY, track)
 
 
 def track_tests(track):
@@ -94,13 +85,6 @@ def run_dir(cell):
     return f"{R}/runs/{cell}"
 
 
-def policy_dir(backbone_id):
-    """Where a cell's starting policy lives: the warm-started model for built (toy) backbones,
-    the released weights (hub id or local path) otherwise."""
-    cfg = BACKBONES[backbone_id]
-    return f"{R}/sft" if cfg.needs_build else cfg.path
-
-
 def policy_inputs(backbone_id):
     """Files a training job waits for (none for released models: they come from the hub)."""
     return [f"{R}/sft/config.json"] if BACKBONES[backbone_id].needs_build else []
@@ -108,24 +92,7 @@ def policy_inputs(backbone_id):
 
 def resolve_cell(path):
     """The resolved TrainConfig of the cell at `path` (what `a2tgpo train` reads)."""
-    import dataclasses
-
-    cell = Cell.parse(path)
-    backbone = dataclasses.replace(BACKBONES[cell.backbone], path=policy_dir(cell.backbone))
-    return cell_config(
-        cell,
-        study=STUDY.study,
-        results_root=R,
-        backbone=backbone,
-        train=STUDY.train,
-        methods_dir=STUDY.methods_dir,
-        retrieval=STUDY.retrieval,
-        tracking=STUDY.tracking,
-        train_file=f"{data_dir(cell.data)}/train.parquet",
-        dev_file=f"{data_dir(cell.data)}/dev.parquet",
-        corpus=corpus_file(),
-        index=index_file(),
-    )
+    return study_lib.resolve_cell(STUDY, path)
 
 
 def job_gpus(backbone_id, n=1):
