@@ -311,6 +311,36 @@ def cmd_rerun(args) -> int:
     return subprocess.call(cmd, env=os.environ.copy())
 
 
+def cmd_plan(args) -> int:
+    import dataclasses
+
+    from a2tgpo.io import atomic_write_json
+    from a2tgpo.plan import GIB, Assumptions, plan_study, print_plan
+    from a2tgpo.study import load_study
+
+    study = load_study(args.config, args.overrides)
+    sets = None if args.sets == ["all"] else (args.sets or list(study.grid.default))
+    unknown = [s for s in sets or [] if s not in study.grid.sets]
+    if unknown:
+        raise ConfigError(f"{args.config}: --sets: no grid set {', '.join(unknown)} "
+                          f"(sets: {', '.join(study.grid.sets)})")
+    assume = Assumptions(**{k: v for k, v in vars(args).items()
+                            if k in {f.name for f in dataclasses.fields(Assumptions)}
+                            and v is not None})
+    plans = plan_study(study, sets, assume)
+    print_plan(plans, assume)
+    if args.json:
+        atomic_write_json(args.json, {
+            "assumptions": dataclasses.asdict(assume),
+            "cells": [{"cell": p.cell, "fits": p.fits, "peak_phase": p.peak_phase,
+                       "peak_gib": p.peak / GIB, "capacity_gib": p.capacity / GIB,
+                       "largest_term": p.largest.name, "tokens_per_step": p.tokens_per_step,
+                       "gpu_hours": p.gpu_hours, "disk_gib": p.disk_bytes / GIB,
+                       "phases": {ph: {t.name: t.bytes / GIB for t in ts}
+                                  for ph, ts in p.phases.items()}} for p in plans]})
+    return 0 if all(p.fits for p in plans) else 1
+
+
 def cmd_check_config(args) -> int:
     from a2tgpo.study import load_study
 
@@ -654,6 +684,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", metavar="ID", help="print one method's settings")
     p.add_argument("--write", metavar="DIR", help="write <DIR>/<id>.yaml for every method")
     p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser(
+        "plan",
+        help="memory, tokens, GPU-hours and disk of every cell, before any job starts",
+        description="Per cell and rank: weights, optimizer shard, reference, vLLM share, "
+        "activations, log-prob buffers and KV caches in each phase of a step, against "
+        "train.gpu_memory_gb (GPU cells) or train.mem_mb (CPU cells); tokens per step, a "
+        "GPU-hour estimate from the stated assumptions, and checkpoint disk. Exit 1 when a "
+        "cell does not fit (the DAG refuses such a study).",
+        formatter_class=fmt,
+    )
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--sets", nargs="*", default=None,
+                   help="grid sets to plan (default: grid.default; `all`: every set)")
+    p.add_argument("--json", help="also write the plan to this JSON file")
+    p.add_argument("--mean-tokens", dest="mean_tokens", type=float,
+                   help="assumed mean trajectory length in tokens (prompt included)")
+    p.add_argument("--mfu", dest="train_mfu", type=float,
+                   help="assumed model-FLOPs utilisation of the training passes")
+    p.add_argument("--peak-tflops", dest="peak_tflops", type=float,
+                   help="the GPU's dense bf16 peak, TFLOP/s")
+    p.add_argument("--rollout-tokens-per-s", dest="rollout_tokens_per_s_8b", type=float,
+                   help="assumed vLLM generation tokens/s per GPU for an 8B model")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
         "check-config",

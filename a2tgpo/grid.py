@@ -98,6 +98,9 @@ class TrainSection(TrainSettings):
         "(labelled so in the tables).")
     runtime_min: int = option(60, "Wall-time request of a training job (minutes, SLURM).")
     mem_mb: int = option(8000, "Memory request of a training job (MB).")
+    gpu_memory_gb: float = option(
+        80.0, "Memory of one GPU of the training nodes, GiB (nvidia-smi's total / 1024): what "
+        "`a2tgpo plan` and the DAG check each cell's per-rank plan against.")
 
 
 @dataclass(frozen=True)

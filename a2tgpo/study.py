@@ -9,6 +9,7 @@ from these dataclasses; `load_study` adds the strict checks a JSON schema cannot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,18 @@ class StudyConfig:
             test=tuple(s for s in self.data.test if s.name in t.test))
 
     def backbone(self, backbone_id: str) -> BackboneConfig:
-        return load_backbone_config(Path(self.backbones_dir) / f"{backbone_id}.yaml")
+        return _backbone_file(Path(self.backbones_dir) / f"{backbone_id}.yaml")
+
+
+def _backbone_file(path: Path) -> BackboneConfig:
+    """load_backbone_config, read once per file version (the DAG asks for every cell)."""
+    stat = path.stat()
+    return _cached_backbone(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_backbone(path: str, mtime_ns: int, size: int) -> BackboneConfig:
+    return load_backbone_config(path)
 
 
 def study_schema() -> dict:

@@ -8,8 +8,8 @@ from a2tgpo.cli import build_parser, main
 
 COMMANDS = ["world", "toy-backbone", "prepare-data", "download-corpus", "encode-corpus",
             "build-index", "check-index", "serve-retriever", "search", "retrieval-eval",
-            "sft", "train", "rerun", "evaluate", "select", "methods", "check-config", "resolve",
-            "config-doc", "tables", "plots", "sweep-trial", "sweep-summary"]
+            "sft", "train", "rerun", "evaluate", "select", "methods", "plan", "check-config",
+            "resolve", "config-doc", "tables", "plots", "sweep-trial", "sweep-summary"]
 
 
 def test_top_level_help_lists_every_command(capsys):

@@ -20,6 +20,23 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
+class ArchitectureConfig:
+    """The sizes of a model's config.json that memory planning needs (`a2tgpo plan`), written
+    in the backbone file so a plan can be made before the weights are downloaded; where the
+    config.json is on disk it is read instead, and must agree."""
+
+    model_type: str = option(doc="config.json model_type (qwen3, qwen2, ...).")
+    hidden_size: int = option(doc="config.json hidden_size.")
+    intermediate_size: int = option(doc="config.json intermediate_size (MLP width).")
+    num_hidden_layers: int = option(doc="config.json num_hidden_layers.")
+    num_attention_heads: int = option(doc="config.json num_attention_heads.")
+    num_key_value_heads: int = option(doc="config.json num_key_value_heads.")
+    head_dim: int = option(doc="Per-head dimension (config.json head_dim, else hidden / heads).")
+    vocab_size: int = option(doc="config.json vocab_size (rows of the embedding).")
+    tie_word_embeddings: bool = option(doc="config.json tie_word_embeddings.")
+
+
+@dataclass(frozen=True)
 class BackboneConfig:
     """One policy backbone (config/backbones/<id>.yaml)."""
 
@@ -37,6 +54,9 @@ class BackboneConfig:
     needs_build: bool = option(
         False, "True if the DAG builds this backbone (the toy); false for released models."
     )
+    architecture: ArchitectureConfig | None = option(
+        None, "The model's config.json sizes for `a2tgpo plan` before the weights are on disk "
+        "(null: read config.json from the path or the hub cache).")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 16:

@@ -72,6 +72,15 @@ TRACKS = STUDY.track_names  # ("",) without tracks: one model on all training se
 SET_CELLS = study_lib.study_cells(STUDY)
 DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
 
+# 3. every cell's memory plan fits its GPUs (CPU cells: its job's memory), checked once by the
+# main process before anything is submitted; `a2tgpo plan CONFIG` prints the whole plan
+if workflow.is_main_process:
+    from a2tgpo.plan import plan_study, refusal
+
+    _refused = refusal(plan_study(STUDY))
+    if _refused:
+        sys.exit(f"invalid config: {_refused}")
+
 
 def data_dir(track):
     return study_lib.data_dir(STUDY, track)

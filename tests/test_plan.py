@@ -1,0 +1,139 @@
+"""The memory planner (a2tgpo.plan): parameter counts, hand-derived terms, the paper study's
+fit, the CLI and the DAG's refusal of a study that cannot fit."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from a2tgpo.config import ConfigError
+from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig, load_backbone_config
+from a2tgpo.plan import GIB, Assumptions, count_parameters, model_sizes, plan_study, refusal
+from a2tgpo.study import load_study
+
+PAPER = "config/paper.yaml"
+
+
+def _meta_count(arch: ArchitectureConfig) -> tuple[int, int]:
+    """transformers' own count: the model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    sizes = [p.numel() for p in model.parameters()]
+    return sum(sizes), max(sizes)
+
+
+@pytest.mark.parametrize("backbone", ["qwen3-4b", "qwen3-8b", "qwen2.5-7b"])
+def test_parameter_count_is_transformers_count(backbone):
+    arch = load_backbone_config(f"config/backbones/{backbone}.yaml").architecture
+    assert count_parameters(arch) == _meta_count(arch)
+
+
+def test_parameter_count_of_a_small_untied_qwen2_by_hand():
+    arch = ArchitectureConfig(model_type="qwen2", hidden_size=8, intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=4, vocab_size=10, tie_word_embeddings=False)
+    # per layer: q, o 8·8 each, k, v 8·4 each (192), biases q 8 + k, v 4 each (16), MLP
+    # 3·8·16 (384), two norms 16: 608; embedding and output layer 10·8 each, final norm 8
+    assert count_parameters(arch) == (2 * 608 + 160 + 8, 128) == _meta_count(arch)
+
+
+def test_model_sizes_prefer_config_json_and_check_the_backbone_file(tmp_path):
+    arch = load_backbone_config("config/backbones/qwen3-4b.yaml").architecture
+    found = dataclasses.asdict(arch) | {"architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(found))
+    backbone = BackboneConfig(id="q", path=str(tmp_path), architecture=arch)
+    assert model_sizes(backbone).arch == arch
+    (tmp_path / "config.json").write_text(json.dumps(found | {"num_hidden_layers": 35}))
+    with pytest.raises(ConfigError, match="architecture differs .* num_hidden_layers"):
+        model_sizes(backbone)
+    with pytest.raises(ConfigError, match="no config.json .* add one"):
+        model_sizes(BackboneConfig(id="q", path=str(tmp_path / "missing")))
+
+
+DEFAULT_SETS = ["main", "tree", "ablation"]  # config/paper.yaml grid.default
+
+
+def _paper_plans(*overrides, sets=DEFAULT_SETS):
+    return plan_study(load_study(PAPER, list(overrides)), sets)
+
+
+def test_qwen3_8b_grpo_terms_by_hand():
+    plans = {p.cell: p for p in _paper_plans(sets=["main"])}
+    plan = plans["backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1"]
+    terms = {ph: {t.name: t.bytes for t in ts} for ph, ts in plan.phases.items()}
+    P, V, h = 8_190_735_360, 151_936, 4096  # Qwen3-8B: untied, 36 layers
+    assert plan.params == P
+    rollout = terms["rollout"]
+    assert rollout["weights"] == 2 * P  # bf16
+    assert rollout["optimizer shard"] == 12 * P / 8  # fp32 master + m + v over 8 ranks
+    # ZeRO-3 reference: a bf16 shard + the largest tensor (embedding V x h) gathered
+    assert rollout["reference (zero3)"] == 2 * P / 8 + 2 * V * h
+    assert rollout["vLLM engine (awake)"] == 0.6 * 96 * GIB
+    update = terms["update"]
+    # 16384-token micro-batches (>= the 8192-token context), checkpointed: layer inputs
+    # 36 x 16384 x 4096 x 2 B
+    assert update["activations (checkpointed)"] == 36 * 16384 * h * 2
+    # one layer recomputed: a = 4h + 7q + 2k + 4i (q = 32·128, k = 8·128, i = 12288), plus
+    # its gradients 2i + 2h; it beats the log-prob chunk (512 x V x (2+4+4 + 4+4+2) B) plus
+    # the output layer's gradient (V x h x 2 B)
+    a = 4 * h + 7 * 4096 + 2 * 1024 + 4 * 12288
+    assert update["backward peak"] == 16384 * (a + 2 * 12288 + 2 * h) * 2
+    assert update["backward peak"] > 512 * V * 20 + 2 * V * h
+    assert update["gradients"] == 2 * P / 8 + 4 * P / 8  # ZeRO-2 bf16 + fp32 partition
+
+
+def test_the_paper_grid_fits_8x96_gib_and_a_full_reference_copy_does_not():
+    plans = _paper_plans()
+    assert len(plans) == 84 and all(p.fits for p in plans), refusal(plans)
+    copy = _paper_plans("train.reference=copy")
+    bad = [p for p in copy if not p.fits]
+    # the 7-8B backbones' KL methods (Table 1: grpo, dapo, gspo, gigpo, igpo; Tree-GRPO on
+    # Qwen2.5-7B) on both tracks: 2 x (2 x 5 + 1)
+    assert len(bad) == 22, [p.cell for p in bad]
+    assert all(p.cell.split("/")[0] in ("backbone~qwen3-8b", "backbone~qwen2.5-7b")
+               for p in bad)
+    assert all("reference (copy)" in {t.name for t in p.phases["rollout"]} for p in bad)
+    message = refusal(copy)
+    assert message.startswith("22 of 84 cells do not fit")
+    assert "cell backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1: the rollout " \
+           "phase needs" in message and "largest term: vLLM engine (awake)" in message
+
+
+def test_plan_cli_prints_the_table_and_exits_1_when_a_cell_does_not_fit(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "a2tgpo.cli", "plan", PAPER, "--sets", "tree",
+                          "--json", str(tmp_path / "plan.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "2 of 2 cells fit" in out.stdout and "GPU-hours" in out.stdout
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert [c["fits"] for c in data["cells"]] == [True, True]
+    assert data["assumptions"] == dataclasses.asdict(Assumptions())
+    bad = subprocess.run([sys.executable, "-m", "a2tgpo.cli", "plan", PAPER,
+                          "train.gpu_memory_gb=40", "--sets", "tree"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "0 of 2 cells fit" in bad.stdout
+
+
+def test_snakemake_dry_run_refuses_a_cell_that_cannot_fit(workdir):
+    cfg = yaml.safe_load((workdir / PAPER).read_text())
+    cfg["train"]["reference"] = "copy"
+    (workdir / "config/tight.yaml").write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile",
+                          "config/tight.yaml"], cwd=workdir, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0
+    err = run.stdout + run.stderr
+    # the DAG checks every set's cells: besides the default sets' 22, the `seeds` set's
+    # grpo, dapo, gspo and igpo on the two 7-8B backbones, 2 tracks, seeds 2 and 3 (32)
+    assert "invalid config: 54 of 166 cells do not fit" in err, err[-3000:]
+    assert "cell backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1" in err
+    assert "largest term: vLLM engine (awake)" in err
+    assert "Job stats" not in err  # nothing was scheduled
