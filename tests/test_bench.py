@@ -1,4 +1,5 @@
-"""The GPU benchmarks' code paths, run small on CPU so they cannot rot between GPU sessions."""
+"""The benchmarks' code paths, run small on CPU so that they cannot rot (the GPU ones between
+GPU sessions)."""
 
 import math
 import re
@@ -19,3 +20,18 @@ def test_gpu_rl_step_runs_tiny_on_cpu():
         assert float(table[key].replace(",", "")) > 0, out.stdout
     # the IG pass's extra time relative to the old-logprob pass: measured, finite
     assert math.isfinite(float(table["IG extra time / old-logprob time"])), out.stdout
+
+
+def test_toy_update_runs_quick():
+    out = subprocess.run([sys.executable, "bench/toy_update.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {m[1]: [float(x) for x in m.groups()[1:]] for m in (
+        re.match(r"(before|rows|budget \d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", line)
+        for line in out.stdout.splitlines()) if m}
+    assert {"before", "rows", "budget 1024", "budget 2048", "budget 4096"} <= set(rows), out.stdout
+    for computed_real, seconds, vs_before in rows.values():
+        # rows x columns of the update's forwards cover at least every real token
+        assert math.isfinite(computed_real) and computed_real >= 1, out.stdout
+        assert math.isfinite(seconds) and seconds > 0 and vs_before > 0, out.stdout
+    assert rows["before"][2] == 1.0 and "summary: computed/real" in out.stdout, out.stdout
