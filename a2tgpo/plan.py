@@ -26,20 +26,20 @@ key/value (kv heads x head_dim) and MLP widths, V = vocabulary, c = log-prob chu
   ZeRO buckets 2 x 5e8 x b (DeepSpeed's default reduce and all-gather bucket sizes);
   reference copy P·b, zero3 P·b/W + the largest tensor gathered, zero3_offload that tensor.
   Activations saved per token and layer (HF Qwen2/Qwen3 decoder layers, sdpa attention
-  without an L x L matrix): two RMSNorms 4h, the attention's q-sized tensors 7q (q, its norm,
-  the rotated q, k and v repeated to q's size for grouped-query attention, the output and the
-  o_proj input), k and its norm 2k, the MLP 4i: a = 4h + 7q + 2k + 4i. Without checkpointing
-  the update keeps layers·T·a·b; with it, the layer inputs layers·T·h·b and, in backward, one
-  layer recomputed with its gradients T·(a + 2i + 2h)·b. A no-grad pass holds one layer's
-  working set T·(2h + 2q + 2k + 3i)·b. The log-prob chunk (algo/logprobs.py) holds c·V
-  elements in the output dtype, its fp32 copy (bf16 only) and the log-softmax, with backward
-  two fp32 gradients and the output-dtype one more (an entropy adds its exp and gradient);
-  the final hidden states T·h·b and their fp32 gradient; the largest weight's gradient before
-  it is accumulated (the embedding / output layer). The IG pass adds its KV cache
-  2·layers·k·b per token.
-Validated on CPU by bench/plan_memory.py (planned vs measured peak of the activation and
-log-prob terms for scaled Qwen3 models). The constants that are estimates, not derivations,
-are named below with their reasoning.
+  without an L x L score matrix): two RMSNorms 4h, the attention's q-sized tensors 7q (q, its
+  norm, the rotated q, k and v repeated to q's size for grouped-query attention, the output
+  and the o_proj input), k and its norm 2k, the MLP 4i: a = 4h + 7q + 2k + 4i; plus the
+  attention mask the layer converts and keeps, rows x L^2 elements (<= T x L, L the longest
+  row). Without checkpointing the update keeps every layer's; with it, only the layer inputs
+  layers·T·h·b. The backward peak is the larger of the log-prob chunk's backward (12 B per
+  element of c·V; an entropy adds 8) with the output layer's gradient before it is
+  accumulated, and one layer's backward: its activation gradients T·(2i + 2h)·b, and under
+  checkpointing the layer recomputed. A no-grad pass holds the final hidden states and the
+  larger of one layer's working set T·(2h + 2q + 2k + 3i + L)·b and a forward log-prob chunk
+  (the chunks run after the decoder); the IG pass adds its KV cache 2·layers·k·b per token.
+Validated on CPU by bench/plan_memory.py: for scaled Qwen3 models (42-45M parameters, 4k
+tokens) the pass terms are 0.78-0.96 of the measured peaks. The constants that are estimates,
+not derivations, are named below with their reasoning.
 
 Tokens, time and disk: tokens per step from an assumed mean trajectory length, GPU-hours from
 stated throughput assumptions (`Assumptions`), and checkpoint disk from the schedule (HF
@@ -242,60 +242,68 @@ def _dtype_bytes(cfg, on_gpu: bool) -> int:
 
 
 def _logprob_chunk(V: int, b: int, *, backward: bool, entropy: bool, chunk: int) -> float:
-    """Bytes of one log-prob chunk at its peak (algo/logprobs.py)."""
+    """Bytes of one log-prob chunk at its peak (algo/logprobs.py). Forward: the logits, their
+    fp32 copy (bf16 only) and the log-softmax. Backward (the chunk recomputed under
+    checkpointing, its forward tensors gone): the log-softmax, its gradient and the logits'
+    fp32 gradient, 12 B per element; an entropy adds its exp and that gradient (8 B)."""
+    if backward:
+        return chunk * V * (12 + (8 if entropy else 0))
     copy = 4 if b != 4 else 0  # .float() of bf16 logits; a no-op in fp32
-    fwd = b + copy + 4 + (4 if entropy else 0)
-    bwd = (4 + 4 + b + (4 if entropy else 0)) if backward else 0
-    return chunk * V * (fwd + bwd)
+    return chunk * V * (b + copy + 4 + (4 if entropy else 0))
 
 
-def nograd_terms(sizes: ModelSizes, T: int, b: int, label: str, *, cache: bool,
+def nograd_terms(sizes: ModelSizes, T: int, longest: int, b: int, label: str, *, cache: bool,
                  chunk: int | None = None) -> list[Term]:
-    """A no-grad log-prob pass over T tokens: one layer's working set, the final hidden
-    states, a forward log-prob chunk, and with `cache` (the fused IG pass) the KV cache."""
+    """A no-grad log-prob pass over T padded tokens in rows of at most `longest`: the final
+    hidden states, then the larger of one layer's working set (with the attention mask the
+    layer converts, rows x L^2) and a forward log-prob chunk (they do not overlap: the chunks
+    run after the decoder), and with `cache` (the fused IG pass) the KV cache."""
     from a2tgpo.algo.logprobs import DEFAULT_CHUNK_TOKENS
 
     chunk = chunk or DEFAULT_CHUNK_TOKENS
     h, i, q, k = sizes.arch.hidden_size, sizes.arch.intermediate_size, sizes.q, sizes.k
-    out = [Term(f"{label}: layer working set", T * (2 * h + 2 * q + 2 * k + 3 * i) * b,
-                f"{T} tokens x (2h + 2q + 2k + 3i) x {b} B"),
-           Term(f"{label}: final hidden", T * h * b, f"{T} tokens x h x {b} B"),
-           Term(f"{label}: log-prob chunk",
-                _logprob_chunk(sizes.arch.vocab_size, b, backward=False, entropy=False,
-                               chunk=chunk), f"{chunk} tokens x V, forward")]
+    layer = T * (2 * h + 2 * q + 2 * k + 3 * i) * b + T * longest * b
+    lp = _logprob_chunk(sizes.arch.vocab_size, b, backward=False, entropy=False, chunk=chunk)
+    out = [Term(f"{label}: final hidden", T * h * b, f"{T} tokens x h x {b} B"),
+           Term(f"{label}: layer or log-prob chunk", max(layer, lp),
+                f"max(layer working set T x (2h + 2q + 2k + 3i + L) x {b} B = "
+                f"{layer / GIB:.2f} GiB, {chunk}-token chunk x V = {lp / GIB:.2f} GiB)")]
     if cache:
         out.append(Term(f"{label}: KV cache", T * 2 * sizes.arch.num_hidden_layers * k * b,
                         f"{T} tokens x 2 x layers x k x {b} B"))
     return out
 
 
-def update_terms(sizes: ModelSizes, T: int, b: int, *, checkpointing: bool, entropy: bool,
-                 chunk: int | None = None) -> list[Term]:
-    """What one update micro-batch of T tokens adds besides the weights' gradients:
-    activations (with or without checkpointing), the log-prob chunk's backward, the output
-    layer's gradient before accumulation, the final hidden states and their gradient."""
+def update_terms(sizes: ModelSizes, T: int, longest: int, b: int, *, checkpointing: bool,
+                 entropy: bool, chunk: int | None = None) -> list[Term]:
+    """What one update micro-batch of T padded tokens (rows of at most `longest`) adds besides
+    the weights' gradients: the saved activations (every layer's, or with checkpointing only
+    the layer inputs), then at the peak of backward the larger of the log-prob chunk's
+    backward with the output layer's gradient before accumulation and one layer's backward
+    (recomputed under checkpointing), and the final hidden states with their gradient."""
     from a2tgpo.algo.logprobs import DEFAULT_CHUNK_TOKENS
 
     chunk = chunk or DEFAULT_CHUNK_TOKENS
     a = sizes.arch
     h, i, q, k, n_layers = a.hidden_size, a.intermediate_size, sizes.q, sizes.k, \
         a.num_hidden_layers
-    act_layer = 4 * h + 7 * q + 2 * k + 4 * i
-    lp = _logprob_chunk(a.vocab_size, b, backward=True, entropy=entropy, chunk=chunk)
-    head_grad = sizes.largest_tensor * b
+    act_layer = T * (4 * h + 7 * q + 2 * k + 4 * i) * b
+    mask = T * longest * b  # the attention mask a layer converts and keeps: rows x L^2
+    grads = T * (2 * i + 2 * h) * b  # a layer's activation gradients in flight
+    lp = _logprob_chunk(a.vocab_size, b, backward=True, entropy=entropy, chunk=chunk) \
+        + sizes.largest_tensor * b
     out = [Term("final hidden + gradient", T * h * (b + 4), f"{T} tokens x h x ({b} + 4) B")]
     if checkpointing:
-        layer = T * (act_layer + 2 * i + 2 * h) * b
-        out += [Term("activations (checkpointed)", n_layers * T * h * b,
-                     f"layer inputs: {n_layers} layers x {T} tokens x h x {b} B"),
-                Term("backward peak", max(layer, lp + head_grad),
-                     "max(one layer recomputed + its gradients, log-prob chunk backward + "
-                     "the output layer's gradient)")]
+        layer = act_layer + mask + grads
+        out.append(Term("activations (checkpointed)", n_layers * T * h * b,
+                        f"layer inputs: {n_layers} layers x {T} tokens x h x {b} B"))
     else:
-        out += [Term("activations", n_layers * T * act_layer * b,
-                     f"{n_layers} layers x {T} tokens x (4h + 7q + 2k + 4i) x {b} B"),
-                Term("log-prob chunk backward", lp + head_grad,
-                     f"{chunk} tokens x V with gradients + the output layer's gradient")]
+        layer = grads
+        out.append(Term("activations", n_layers * (act_layer + mask),
+                        f"{n_layers} layers x {T} tokens x (4h + 7q + 2k + 4i + L) x {b} B"))
+    out.append(Term("backward peak", max(layer, lp),
+                    f"max(log-prob chunk backward + output layer gradient {lp / GIB:.2f} GiB, "
+                    f"one layer's backward {layer / GIB:.2f} GiB)"))
     return out
 
 
@@ -355,16 +363,19 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     if index_bytes:
         rollout.append(Term("retriever index", index_bytes, "in-process, on this device"))
 
-    candidates = [nograd_terms(sizes, ps.nograd_tokens, b, "old/ref pass", cache=False)]
+    candidates = [nograd_terms(sizes, ps.nograd_tokens, ps.longest, b, "old/ref pass",
+                               cache=False)]
     if ps.ig_tokens:
-        candidates.append(nograd_terms(sizes, ps.ig_tokens, b, "IG pass", cache=True))
+        candidates.append(nograd_terms(sizes, ps.ig_tokens, ps.longest, b, "IG pass",
+                                       cache=True))
     logprob = resident + [asleep] + max(candidates, key=lambda ts: sum(t.bytes for t in ts))
 
     grads = Term("gradients", (P * b / W if ds and cfg.zero_stage == 2 else P * b)
                  + (4 * P / W if ds else 0),
                  "ZeRO-2 partition" if ds and cfg.zero_stage == 2 else "full")
     update = resident + [asleep, grads] + update_terms(
-        sizes, ps.update_tokens, b, checkpointing=cfg.gradient_checkpointing, entropy=entropy)
+        sizes, ps.update_tokens, ps.longest, b, checkpointing=cfg.gradient_checkpointing,
+        entropy=entropy)
     return {"rollout": rollout, "logprob": logprob, "update": update}
 
 

@@ -35,3 +35,16 @@ def test_toy_update_runs_quick():
         assert math.isfinite(computed_real) and computed_real >= 1, out.stdout
         assert math.isfinite(seconds) and seconds > 0 and vs_before > 0, out.stdout
     assert rows["before"][2] == 1.0 and "summary: computed/real" in out.stdout, out.stdout
+
+
+def test_plan_memory_runs_quick():
+    out = subprocess.run([sys.executable, "bench/plan_memory.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("qwen3-")]
+    assert [r[1] for r in rows] == ["update", "ig"], out.stdout
+    for r in rows:
+        planned, measured, ratio = map(float, r[-3:])
+        # the pass allocated something and the plan predicted something
+        assert planned > 0 and measured > 0 and math.isfinite(ratio), out.stdout
+    assert "largest deviation of planned from measured" in out.stdout
