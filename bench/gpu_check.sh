@@ -17,4 +17,6 @@ rc=$?
 python3 bench/gpu_bench.py || rc=1
 # one RL step of a Qwen3-0.6B-architecture model through the trainer's functions
 python3 bench/gpu_rl_step.py || rc=1
+# the memory planner's pass terms against torch.cuda.max_memory_allocated
+python3 bench/plan_memory.py --device cuda || rc=1
 exit $rc

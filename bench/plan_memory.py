@@ -9,7 +9,10 @@ their gradient buffers exist before the baseline (gradients are allocated by a f
 backward), so the difference is what the pass adds: activations, log-prob chunks, the output
 layer's gradient before accumulation, the KV cache of the IG pass.
 
-    python bench/plan_memory.py [--quick]
+    python bench/plan_memory.py [--quick] [--device cuda]
+
+On a GPU (--device cuda, bf16) the measure is torch.cuda.max_memory_allocated() minus the
+memory allocated before the pass, which is what the plan's terms describe there.
 
 Passes: update (loss backward through `update.final_hidden` + `update.hidden_logprobs`, with
 and without gradient checkpointing), old (no-grad `update.token_logprobs`), IG (the fused
@@ -50,7 +53,8 @@ def _rss_mb() -> float:
     raise RuntimeError("no VmRSS")
 
 
-def _child(model_name: str, case: str, ckpt: bool, rows: int, length: int) -> None:
+def _child(model_name: str, case: str, ckpt: bool, rows: int, length: int,
+           device: str) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -62,12 +66,22 @@ def _child(model_name: str, case: str, ckpt: bool, rows: int, length: int) -> No
     torch.set_num_threads(2)
     cfg = Qwen3Config(**MODELS[model_name], tie_word_embeddings=True,
                       max_position_embeddings=2 * length, attn_implementation="sdpa")
-    model = Qwen3ForCausalLM(cfg)
+    cuda = device == "cuda"
+    model = Qwen3ForCausalLM(cfg).to(device, torch.bfloat16 if cuda else torch.float32)
     V = cfg.vocab_size
     ids = torch.randint(0, V, (rows, length))
     mask = torch.ones_like(ids)
     mask[-1, length // 2:] = 0  # a padded row, as batches have
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+
+    def baseline() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated() / 2**20
+        return _rss_mb()
+
     if case == "update":
         if ckpt:
             model.gradient_checkpointing_enable(
@@ -82,7 +96,7 @@ def _child(model_name: str, case: str, ckpt: bool, rows: int, length: int) -> No
         # the gradient buffers exist before the baseline, as in training after update 1
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        base = _rss_mb()
+        base = baseline()
         step()
     elif case == "old":
         batch = Batch(input_ids=ids, attention_mask=mask, loss_mask=mask, turn_id=mask - 1,
@@ -91,20 +105,25 @@ def _child(model_name: str, case: str, ckpt: bool, rows: int, length: int) -> No
                       tool_call=torch.zeros(rows, 1, dtype=torch.bool),
                       prompt_lengths=torch.ones(rows, dtype=torch.long),
                       group_ids=list(range(rows)))
-        base = _rss_mb()
+        base = baseline()
         with torch.no_grad():
-            token_logprobs(model, batch, list(range(rows)), device="cpu")
+            token_logprobs(model, batch, list(range(rows)), device=device)
     else:
         model.eval()
         trajs = [(ids[r, : int(mask[r].sum())].tolist(), []) for r in range(rows)]
         probes = [([5, 6, 7], (1, 2))] * rows
-        base = _rss_mb()
+        base = baseline()
         score_gold_logprobs(model, trajs, probes, batch_size=rows)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"measured_mb": peak - base}))
 
 
-def planned_mb(model_name: str, case: str, ckpt: bool, rows: int, length: int) -> float:
+def planned_mb(model_name: str, case: str, ckpt: bool, rows: int, length: int,
+               b: int) -> float:
     from a2tgpo.model.backbone import ArchitectureConfig
     from a2tgpo.plan import ModelSizes, count_parameters, nograd_terms, update_terms
 
@@ -114,9 +133,9 @@ def planned_mb(model_name: str, case: str, ckpt: bool, rows: int, length: int) -
     sizes = ModelSizes(arch=arch, params=params, largest_tensor=largest)
     T = rows * length  # padded tokens, as the passes compute them
     if case == "update":
-        terms = update_terms(sizes, T, length, 4, checkpointing=ckpt, entropy=False)
+        terms = update_terms(sizes, T, length, b, checkpointing=ckpt, entropy=False)
     else:
-        terms = nograd_terms(sizes, T, length, 4, case, cache=case == "ig")
+        terms = nograd_terms(sizes, T, length, b, case, cache=case == "ig")
     return sum(t.bytes for t in terms) / 2**20
 
 
@@ -124,26 +143,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="one model, 1 x 1024 tokens, the checkpointed update and the IG pass")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         name, case, ckpt, rows, length = a.child
-        _child(name, case, ckpt == "1", int(rows), int(length))
+        _child(name, case, ckpt == "1", int(rows), int(length), a.device)
         return
     models = ["qwen3-45m"] if a.quick else list(MODELS)
     rows, length = (1, 1024) if a.quick else (2, 2048)
-    print(f"{rows} x {length} tokens, fp32, CPU; planned = the plan's terms of the pass, "
-          "measured = peak RSS - RSS before the pass")
+    b = 2 if a.device == "cuda" else 4
+    measure = ("max_memory_allocated - allocated before the pass" if a.device == "cuda"
+               else "peak RSS - RSS before the pass")
+    print(f"{rows} x {length} tokens, {'bf16' if b == 2 else 'fp32'}, {a.device}; planned = "
+          f"the plan's terms of the pass, measured = {measure}")
     print(f"{'model':<11} {'pass':<18} {'planned MB':>11} {'measured MB':>12} "
           f"{'planned/measured':>17}")
     worst = 0.0
     for name in models:
         for case, ckpt in ([("update", True), ("ig", False)] if a.quick else CASES):
-            out = subprocess.run([sys.executable, __file__, "--child", name, case,
-                                  str(int(ckpt)), str(rows), str(length)],
+            out = subprocess.run([sys.executable, __file__, "--device", a.device, "--child",
+                                  name, case, str(int(ckpt)), str(rows), str(length)],
                                  capture_output=True, text=True, check=True, env=CHILD_ENV)
             measured = json.loads(out.stdout.strip().splitlines()[-1])["measured_mb"]
-            planned = planned_mb(name, case, ckpt, rows, length)
+            planned = planned_mb(name, case, ckpt, rows, length, b)
             ratio = planned / measured
             worst = max(worst, abs(ratio - 1))
             label = case + (" (checkpointed)" if ckpt else "")

@@ -102,5 +102,8 @@ def load_model(cfg: BackboneConfig, device: str = "cpu"):
 
     dtype = resolve_dtype(cfg.dtype, device)
     log.info("loading %s from %s (%s, %s)", cfg.id, cfg.path, dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(cfg.path, revision=cfg.revision, dtype=dtype)
+    # sdpa: torch's flash / memory-efficient kernels where the mask allows, and the 4D masks
+    # the IG pass's probes need (rollout/info_gain.py), which flash-attention-2 does not take
+    model = AutoModelForCausalLM.from_pretrained(cfg.path, revision=cfg.revision, dtype=dtype,
+                                                 attn_implementation="sdpa")
     return model.to(device).eval()
