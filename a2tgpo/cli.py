@@ -315,7 +315,7 @@ def cmd_plan(args) -> int:
     import dataclasses
 
     from a2tgpo.io import atomic_write_json
-    from a2tgpo.plan import GIB, Assumptions, plan_study, print_plan
+    from a2tgpo.plan import GIB, Assumptions, index_note, plan_study, print_plan
     from a2tgpo.study import load_study
 
     study = load_study(args.config, args.overrides)
@@ -329,6 +329,7 @@ def cmd_plan(args) -> int:
                             and v is not None})
     plans = plan_study(study, sets, assume)
     print_plan(plans, assume)
+    print(index_note(study))
     if args.json:
         atomic_write_json(args.json, {
             "assumptions": dataclasses.asdict(assume),

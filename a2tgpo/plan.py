@@ -478,6 +478,23 @@ def _index_bytes(study, on_gpu: bool) -> float:
     return float(path.stat().st_size) if path.is_file() else 0.0
 
 
+def index_note(study) -> str:
+    """Where the retrieval index sits, and its size when it is on disk."""
+    from a2tgpo.study import index_file
+
+    r = study.retrieval
+    if r.retriever != "dense":
+        return f"retrieval: {r.retriever} in the rollout process (no dense index)"
+    path = Path(index_file(study))
+    size = (f"{path.stat().st_size / GIB:.1f} GiB" if path.is_file()
+            else "not built or downloaded yet")
+    if r.mode == "http":
+        return (f"retrieval index {path} ({size}): on the retrieval server (retrieval.mode "
+                "http), not on the training GPUs")
+    return (f"retrieval index {path} ({size}): in every rollout process, on the GPU when "
+            f"retrieval.index.gpu allows ({r.index.gpu}); counted in the rollout phase")
+
+
 def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assumptions()
                ) -> list[CellPlan]:
     """The plan of every cell of the study's grid sets (all sets by default), in set order."""

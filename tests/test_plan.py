@@ -114,6 +114,7 @@ def test_plan_cli_prints_the_table_and_exits_1_when_a_cell_does_not_fit(tmp_path
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "2 of 2 cells fit" in out.stdout and "GPU-hours" in out.stdout
+    assert "on the retrieval server (retrieval.mode http)" in out.stdout
     data = json.loads((tmp_path / "plan.json").read_text())
     assert [c["fits"] for c in data["cells"]] == [True, True]
     assert data["assumptions"] == dataclasses.asdict(Assumptions())
