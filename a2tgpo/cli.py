@@ -158,8 +158,9 @@ def cmd_serve_retriever(args) -> int:
     cfg = _retrieval(args)
     retriever = _open_retriever(args, cfg)
     h = cfg.http
-    serve(retriever, host=args.host or h.host, port=args.port or h.port,
-          default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms)
+    serve(retriever, host=args.host or h.host, port=h.port if args.port is None else args.port,
+          default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms,
+          ready_file=args.ready_file)
     return 0
 
 
@@ -548,7 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     retrieval_args(p)
     p.add_argument("--host", default=None, help="bind address (default: retrieval.http.host)")
-    p.add_argument("--port", type=int, default=None, help="port (default: retrieval.http.port)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port (default: retrieval.http.port; 0 = a free port)")
+    p.add_argument("--ready-file", default=None,
+                   help="once listening, write {host, port, url, pid} here (JSON, atomic)")
     p.set_defaults(func=cmd_serve_retriever)
 
     p = sub.add_parser(

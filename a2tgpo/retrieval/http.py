@@ -235,6 +235,19 @@ def _absorb_signals(received: list[int]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_ready(port)` once it listens (port 0: the one it got)."""
+
+    def __init__(self, config: uvicorn.Config, on_ready) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready(self.servers[0].sockets[0].getsockname()[1])
+
+
 def serve(
     retriever: Retriever,
     host: str = "127.0.0.1",
@@ -244,17 +257,35 @@ def serve(
     max_batch: int = 256,
     max_wait_ms: float = 5.0,
     log_level: str = "info",
+    ready_file: str | None = None,
 ) -> None:
     """Serve `retriever` over HTTP until SIGINT/SIGTERM, then return after a graceful shutdown.
 
-    Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes).
+    Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes); port 0
+    takes a free port. Once it listens, `ready_file` (if given) is written atomically with
+    {"host", "port", "url", "pid"}: what a job that started the server waits for and reads.
     """
+    import os
+    import socket
+
+    from a2tgpo.io import atomic_write_json
+
     app = build_app(
         retriever, default_topk=default_topk, max_batch=max_batch, max_wait_ms=max_wait_ms
     )
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("retrieval server binds %s: reachable from other machines, no auth", host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+
+    def ready(bound: int) -> None:
+        # a wildcard bind is reached through this node's name (from here and other nodes)
+        reach = socket.gethostname() if host in ("0.0.0.0", "::") else host
+        url = f"http://{reach}:{bound}/retrieve"
+        log.info("retrieval server ready at %s", url)
+        if ready_file:
+            atomic_write_json(ready_file, {"host": host, "port": bound, "url": url,
+                                           "pid": os.getpid()})
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), ready)
     received: list[int] = []
     with _absorb_signals(received):
         server.run()

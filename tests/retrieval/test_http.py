@@ -403,7 +403,8 @@ SERVE_SCRIPT = textwrap.dedent(
             pass
 
     logging.basicConfig(level=logging.INFO)
-    serve(One(), port=int(sys.argv[1]), log_level="info")
+    serve(One(), port=int(sys.argv[1]), log_level="info",
+          ready_file=sys.argv[2] if len(sys.argv) > 2 else None)
     print("serve returned", flush=True)
     """
 )
@@ -441,3 +442,29 @@ def test_serve_shuts_down_cleanly_on_signal(sig):
     assert proc.returncode == 0, out
     assert "serve returned" in out
     assert f"stopped on {signal.Signals(sig).name}" in out
+
+
+def test_serve_on_port_0_publishes_where_it_listens(tmp_path):
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, "0", str(ready)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no ready file within 20 s"
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        assert info["pid"] == proc.pid and info["port"] > 0 and info["host"] == "127.0.0.1"
+        assert info["url"] == f"http://127.0.0.1:{info['port']}/retrieve"
+        # the file is written once the server listens: the first request is answered
+        hits = HttpRetriever(info["url"], retries=1).search(["q"], topk=1)
+        assert [h.contents for h in hits[0]] == ["q"]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
