@@ -164,6 +164,25 @@ def cmd_serve_retriever(args) -> int:
     return 0
 
 
+def cmd_with_retriever(args) -> int:
+    from pathlib import Path
+
+    from a2tgpo.config import load_config
+    from a2tgpo.retrieval.sidecar import RetrieverStartError, run_with_retriever
+    from a2tgpo.train.config import TrainConfig
+
+    command = args.passthrough
+    if not command:
+        raise ConfigError("with-retriever: name the command after `--`")
+    cfg = load_config(TrainConfig, args.config)
+    try:
+        return run_with_retriever(cfg.retrieval, cfg.corpus, cfg.index, command,
+                                  Path(cfg.run_dir) / "retriever")
+    except RetrieverStartError as e:
+        print(f"a2tgpo with-retriever: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_search(args) -> int:
     from a2tgpo.retrieval.retriever import format_passages
 
@@ -691,6 +710,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser(
+        "with-retriever",
+        help="run a command against a retrieval server started for it on this node",
+        description="Start `serve-retriever` for the cell config's retrieval section, corpus "
+        "and index on a free port, wait until it listens, run the command after `--` with "
+        "A2TGPO_RETRIEVER_URL pointing at it (SIGTERM/SIGUSR1 passed on), stop the server, "
+        "and exit with the command's status. The DAG wraps training and evaluation jobs in it "
+        "when retrieval.http.serve is job.",
+        formatter_class=fmt,
+    )
+    p.add_argument("config", help="the cell's resolved config.yaml (a TrainConfig)")
+    p.set_defaults(func=cmd_with_retriever)
+
+    p = sub.add_parser(
         "plan",
         help="memory, tokens, GPU-hours and disk of every cell, before any job starts",
         description="Per cell and rank: weights, optimizer shard, reference, vLLM share, "
@@ -840,10 +872,12 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    if argv and "rerun" in argv and "--" in argv:  # rerun ... -- <snakemake arguments>
+    # rerun ... -- <snakemake arguments>; with-retriever ... -- <command>
+    if argv and ("rerun" in argv or "with-retriever" in argv) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    args.passthrough = passthrough
     if passthrough:
         args.snakemake_args = passthrough
     logging.basicConfig(

@@ -8,7 +8,7 @@ implement the same `search`, so the agent loop never knows which one it talks to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from a2tgpo.config import option
 
@@ -64,6 +64,14 @@ class HttpConfig:
     max_batch_queries: int = option(
         512, "Client: most queries sent in one request; longer query lists go in several."
     )
+    serve: Literal["external", "job"] = option(
+        "external",
+        "external = use the server at `url` (started by you); job = every training and "
+        "evaluation job starts its own server on its node on a free port and stops it at the "
+        "end (`a2tgpo with-retriever`), and its client ignores `url`.",
+    )
+    start_timeout_s: float = option(
+        1800.0, "serve job: how long a job waits for its server to load the index and listen.")
     host: str = option(
         "127.0.0.1",
         "Server: address to bind. 0.0.0.0 makes it reachable from other machines, without any "

@@ -13,6 +13,7 @@ deduplicated `Page i: ...` list (each passage cut to 1000 characters) or Search-
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -146,9 +147,16 @@ def build_retriever(cfg: RetrievalConfig, corpus: str | Path, index_path: str | 
     """The configured retriever (in-process dense or BM25, or the HTTP client)."""
     if cfg.mode == "http":
         from a2tgpo.retrieval.http import HttpRetriever
+        from a2tgpo.retrieval.sidecar import ENV_URL
 
         h = cfg.http
-        return HttpRetriever(h.url, timeout_s=h.timeout_s, retries=h.retries,
+        url = os.environ.get(ENV_URL)
+        if url:  # the job's own server (`a2tgpo with-retriever`)
+            log.info("retrieval: the job's server at %s (%s)", url, ENV_URL)
+        elif h.serve == "job":
+            raise ValueError(f"retrieval.http.serve is job but {ENV_URL} is not set: run the "
+                             "command under `a2tgpo with-retriever CONFIG -- ...`")
+        return HttpRetriever(url or h.url, timeout_s=h.timeout_s, retries=h.retries,
                              backoff_s=h.backoff_s, max_batch_queries=h.max_batch_queries)
     from a2tgpo.retrieval.docstore import DocStore
 

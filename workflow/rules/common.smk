@@ -122,6 +122,15 @@ def eval_all_runtime(wc):
     return ev.runtime_min * n
 
 
+# a job's own retrieval server (retrieval.http.serve: job): `a2tgpo with-retriever` starts it
+# on the job's node, runs the job against it and stops it
+WITH_RETRIEVER = (
+    "a2tgpo with-retriever {input.cfg} -- "
+    if STUDY.retrieval.mode == "http" and STUDY.retrieval.http.serve == "job"
+    else ""
+)
+
+
 def train_command(wc, threads):
     """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
     train = STUDY.train

@@ -29,7 +29,9 @@ rule evaluate_all:
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} "
+        "OMP_NUM_THREADS={threads} "
+        + WITH_RETRIEVER
+        + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS
         + " --all-checkpoints "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval_all > {log} 2>&1 "
@@ -73,7 +75,9 @@ rule evaluate:
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} a2tgpo evaluate {input.cfg} "
+        "OMP_NUM_THREADS={threads} "
+        + WITH_RETRIEVER
+        + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS
         + " --best {input.best} "
         "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"

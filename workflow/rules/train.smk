@@ -60,4 +60,4 @@ rule train:
     params:
         cmd=lambda wc, threads: train_command(wc, threads),
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} {input.cfg} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} " + WITH_RETRIEVER + "{params.cmd} {input.cfg} > {log} 2>&1"
