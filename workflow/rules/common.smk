@@ -131,6 +131,11 @@ WITH_RETRIEVER = (
 )
 
 
+def with_retriever(cfg_path):
+    """WITH_RETRIEVER for the cell config `cfg_path` (a rule's params)."""
+    return WITH_RETRIEVER.replace("{input.cfg}", cfg_path)
+
+
 def train_command(wc, threads):
     """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
     train = STUDY.train

@@ -59,5 +59,6 @@ rule train:
         mem_mb=TRAIN.mem_mb,
     params:
         cmd=lambda wc, threads: train_command(wc, threads),
+        retriever=lambda wc, input: with_retriever(input.cfg),
     shell:
-        "OMP_NUM_THREADS={threads} " + WITH_RETRIEVER + "{params.cmd} {input.cfg} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
