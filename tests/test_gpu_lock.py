@@ -109,7 +109,7 @@ def final_env(layers):
     return packages(layers["layer1"]) | packages(layers["layer2"])
 
 
-@pytest.mark.slow
+@pytest.mark.expensive  # a 4-minute resolver run: CI runs it as its own step (.ci/run)
 def test_gpu_layers_resolve_to_the_pins(layers):
     env = final_env(layers)
     pins = {canonicalize_name(n): spec for n, spec in (lock("gpu.txt") | lock("test.txt")).items()}
@@ -123,7 +123,7 @@ def test_gpu_layers_resolve_to_the_pins(layers):
     assert any(r.startswith("cuda-toolkit") for r in env["torch"][1]), env["torch"][1]
 
 
-@pytest.mark.slow
+@pytest.mark.expensive
 def test_override_layer_is_only_what_layer1_cannot_hold(layers):
     layer1, layer2 = packages(layers["layer1"]), packages(layers["layer2"])
     common = lock("common.txt")
@@ -145,7 +145,7 @@ def test_override_layer_is_only_what_layer1_cannot_hold(layers):
     assert not unmet(layer1, layers["layer1"]["environment"])
 
 
-@pytest.mark.slow
+@pytest.mark.expensive
 def test_final_env_meets_pyproject(layers):
     """`pip install --no-deps -e .` (layer 3) relies on the venv holding a2tgpo's requirements."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
