@@ -51,8 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from a2tgpo.config import ConfigError
@@ -394,7 +393,6 @@ class CellPlan:
     gpu_hours: float | None
     disk_bytes: float
     params: int
-    notes: list[str] = field(default_factory=list)
 
     def total(self, phase: str) -> float:
         scale = 1 if self.on_gpu else self.world  # a CPU job's ranks share its memory
@@ -595,5 +593,3 @@ def print_plan(plans: list[CellPlan], assume: Assumptions, console=None) -> None
                   + (f"; {sum(hours):,.0f} GPU-hours (estimate)" if hours else ""))
     console.print("assumptions: " + ", ".join(f"{f.name}={getattr(assume, f.name):g}"
                                               for f in dataclasses.fields(assume)))
-    if not math.isfinite(sum(p.peak for p in plans)):
-        raise ValueError("a plan term is not finite")
