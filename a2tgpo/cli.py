@@ -160,7 +160,7 @@ def cmd_serve_retriever(args) -> int:
     h = cfg.http
     serve(retriever, host=args.host or h.host, port=h.port if args.port is None else args.port,
           default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms,
-          ready_file=args.ready_file)
+          ready_file=args.ready_file, hold_on_sigterm=args.hold_on_sigterm)
     return 0
 
 
@@ -181,6 +181,14 @@ def cmd_with_retriever(args) -> int:
     except RetrieverStartError as e:
         print(f"a2tgpo with-retriever: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_launch(args) -> int:
+    from a2tgpo.train.launch import launch
+
+    if not args.passthrough:
+        raise ConfigError("launch: name the command after `--`")
+    return launch(args.passthrough, args.nproc, nnodes=args.nnodes)
 
 
 def cmd_search(args) -> int:
@@ -572,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port (default: retrieval.http.port; 0 = a free port)")
     p.add_argument("--ready-file", default=None,
                    help="once listening, write {host, port, url, pid} here (JSON, atomic)")
+    p.add_argument("--hold-on-sigterm", action="store_true",
+                   help="keep serving through SIGTERM, stop on SIGINT (a job's own server: "
+                   "SLURM's SIGTERM reaches every process of the job)")
     p.set_defaults(func=cmd_serve_retriever)
 
     p = sub.add_parser(
@@ -624,8 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run (or resume) one RL training job from a resolved config",
         description="Train one grid cell: rollouts, rewards, information gain, advantages and "
         "PPO-style updates per the method, with validation, checkpoints and tracking on "
-        "schedule. A rerun resumes from the last complete checkpoint; SIGTERM/SIGUSR1 save "
-        "and exit with code 75.",
+        "schedule. A rerun resumes from the last complete checkpoint. SIGTERM/SIGUSR1 (a "
+        "time limit, a preemption) stop it at the next rollout wave or the end of the step, "
+        "with a checkpoint, and exit 75; under SLURM it also stops so before a step that "
+        "would not end stop_margin_s before the job's time limit.",
         epilog=EPILOG_OVERRIDES,
         formatter_class=fmt,
     )
@@ -721,6 +734,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="the cell's resolved config.yaml (a TrainConfig)")
     p.set_defaults(func=cmd_with_retriever)
+
+    p = sub.add_parser(
+        "launch",
+        help="start a training job's ranks on this node (a stop reaches them, nothing kills them)",
+        description="Run the command after `--` --nproc times with RANK, LOCAL_RANK, WORLD_SIZE, "
+        "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, pass SIGTERM/SIGUSR1/SIGINT on to "
+        "every rank, and exit with the first failing rank's status (the others stopped), else "
+        "75 if a rank stopped for a time limit or preemption, else 0. Unlike the deepspeed "
+        "launcher and torchrun it never kills ranks 30 s after SIGTERM, so they can "
+        "checkpoint. The DAG starts backend-deepspeed training through it.",
+        formatter_class=fmt,
+    )
+    p.add_argument("--nproc", type=int, required=True, help="ranks on this node")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes (one launcher per node under srun; SLURM_NODEID is the node)")
+    p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser(
         "plan",
@@ -872,8 +901,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    # rerun ... -- <snakemake arguments>; with-retriever ... -- <command>
-    if argv and ("rerun" in argv or "with-retriever" in argv) and "--" in argv:
+    # rerun ... -- <snakemake arguments>; with-retriever / launch ... -- <command>
+    if argv and {"rerun", "with-retriever", "launch"} & set(argv) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)

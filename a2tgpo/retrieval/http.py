@@ -236,11 +236,19 @@ def _absorb_signals(received: list[int]) -> Iterator[None]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, calling `on_ready(port)` once it listens (port 0: the one it got)."""
+    """uvicorn's server, calling `on_ready(port)` once it listens (port 0: the one it got).
+    With `hold_on_sigterm` it keeps serving through SIGTERM (stopped by SIGINT)."""
 
-    def __init__(self, config: uvicorn.Config, on_ready) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready, hold_on_sigterm: bool = False) -> None:
         super().__init__(config)
         self._on_ready = on_ready
+        self._hold = hold_on_sigterm
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._hold and sig == signal.SIGTERM:
+            log.info("SIGTERM: still serving (the job that started this server stops it)")
+            return
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -258,12 +266,16 @@ def serve(
     max_wait_ms: float = 5.0,
     log_level: str = "info",
     ready_file: str | None = None,
+    hold_on_sigterm: bool = False,
 ) -> None:
     """Serve `retriever` over HTTP until SIGINT/SIGTERM, then return after a graceful shutdown.
 
     Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes); port 0
     takes a free port. Once it listens, `ready_file` (if given) is written atomically with
     {"host", "port", "url", "pid"}: what a job that started the server waits for and reads.
+    `hold_on_sigterm`: serve through SIGTERM and stop on SIGINT only. A job's own server
+    (`sidecar`) needs it: SLURM's time-limit SIGTERM reaches every process of the job, and the
+    trainer still searches until its next safe point.
     """
     import os
     import socket
@@ -285,7 +297,8 @@ def serve(
             atomic_write_json(ready_file, {"host": host, "port": bound, "url": url,
                                            "pid": os.getpid()})
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), ready)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), ready,
+                     hold_on_sigterm)
     received: list[int] = []
     with _absorb_signals(received):
         server.run()

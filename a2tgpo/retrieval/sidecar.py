@@ -5,15 +5,16 @@ job run as `a2tgpo with-retriever CELL_CONFIG -- COMMAND...`:
 
   1. the retrieval section is written with mode inprocess (the server searches itself) and
      `a2tgpo serve-retriever` starts on `retrieval.http.host`, on a free port, with a ready
-     file (its own process group, so a signal meant for the job's processes reaches it only
-     through step 4);
+     file (its own process group, and holding on through SIGTERM: SLURM's time-limit or
+     preemption SIGTERM reaches every process of the job, and the trainer goes on searching
+     until its next safe point; step 4 stops it with SIGINT);
   2. the job waits for the ready file, at most `retrieval.http.start_timeout_s` (loading a
      21M-passage index takes minutes); a server that exits first fails the job with the tail
      of its log, naming the index;
   3. COMMAND runs with A2TGPO_RETRIEVER_URL set to the server's URL, which the HTTP client
      uses instead of `retrieval.http.url` (`retriever.build_retriever`); SIGTERM and SIGUSR1
      (a SLURM time limit or preemption) are passed on to it, so the trainer can checkpoint;
-  4. the server is stopped (SIGTERM, then SIGKILL after 30 s) however COMMAND ended, and
+  4. the server is stopped (SIGINT, then SIGKILL after 30 s) however COMMAND ended, and
      COMMAND's exit status is returned (75: preempted, resumable).
 
 Why a server per job rather than one service job for all: its life follows the job through
@@ -62,7 +63,8 @@ def start_server(retrieval, corpus: str, index: str | None, state_dir: Path):
     ready.unlink(missing_ok=True)
     log_path = state_dir / "retriever.log"
     cmd = [sys.executable, "-m", "a2tgpo.cli", "serve-retriever", str(section), "--corpus",
-           str(corpus), "--host", retrieval.http.host, "--port", "0", "--ready-file", str(ready)]
+           str(corpus), "--host", retrieval.http.host, "--port", "0", "--ready-file", str(ready),
+           "--hold-on-sigterm"]
     if index is not None:
         cmd += ["--index", str(index)]
     with open(log_path, "ab") as out:
@@ -94,10 +96,11 @@ def start_server(retrieval, corpus: str, index: str | None, state_dir: Path):
 
 
 def stop_server(server: subprocess.Popen) -> None:
-    """SIGTERM (a graceful shutdown), SIGKILL if it has not exited after STOP_GRACE_S."""
+    """SIGINT (a graceful shutdown: the server holds on through SIGTERM), SIGKILL if it has not
+    exited after STOP_GRACE_S."""
     if server.poll() is not None:
         return
-    server.send_signal(signal.SIGTERM)
+    server.send_signal(signal.SIGINT)
     try:
         server.wait(timeout=STOP_GRACE_S)
     except subprocess.TimeoutExpired:

@@ -34,6 +34,7 @@ from a2tgpo.retrieval.retriever import format_passages
 from a2tgpo.rollout import prompts
 from a2tgpo.rollout.engine import Engine, SamplingParams
 from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
+from a2tgpo.train.preemption import check_stop
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,11 @@ def rollout_wave(builders: list[TrajectoryBuilder], live: list[bool], engine: En
                  tool: SearchTool, cfg: AgentConfig, *, seed: int, greedy: bool = False,
                  traj_offset: int = 0) -> list[bool]:
     """One wave: every live builder generates one turn; the wave's searches go to the
-    retriever in one call. Returns which builders are still live."""
+    retriever in one call. Returns which builders are still live.
+
+    A safe point for a time limit or preemption: raises `StopRequested` (every rollout shape
+    unwinds; the caller abandons the rollouts) once this process was asked to stop."""
+    check_stop()
     live = list(live)
     limit = {id(b): len(b.prompt_ids) + cfg.max_response_tokens for b in builders}
     stops = ("</search>", "</answer>")

@@ -19,9 +19,8 @@ is written (`a2tgpo.io.atomic_path`), so a job killed mid-save leaves at most a 
 directory, which the next save removes. One process (rank 0) writes a run directory: pruning
 deletes any temporary directory it finds, which would break a concurrent writer.
 
-Preemption: SLURM sends SIGTERM (or the `--signal` chosen, here SIGUSR1) some time before
-killing a job. `PreemptionHandler` turns both into a flag; the loop checks it at safe points,
-saves, and exits with `EXIT_PREEMPTED`, and the rerun resumes from that checkpoint.
+Preemption and time limits (a2tgpo/train/preemption.py): the loop saves at a safe point and
+exits with `EXIT_PREEMPTED`, and the rerun resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -43,11 +41,6 @@ import numpy as np
 from a2tgpo.io import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
-
-# sysexits.h EX_TEMPFAIL, "try again later": distinct from success (0), Python errors (1) and
-# usage errors (2), so the caller (Snakemake retries, a SLURM requeue script) can tell a
-# preempted run, which a plain rerun resumes, from a failed one.
-EXIT_PREEMPTED = 75
 
 COMPLETE = "COMPLETE"
 # the training backend's optimizer state (and DeepSpeed's fp32 weights) inside a checkpoint;
@@ -92,7 +85,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 # RNG states
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     import torch
 
     key = np.random.get_state(legacy=False)
@@ -106,7 +99,7 @@ def _rng_state() -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     import torch
 
     random.setstate(state["python"])
@@ -179,7 +172,7 @@ def save_checkpoint(
         torch.save({
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "trainer_state": trainer_state,
         }, tmp / "state.pt")
         now = time.time()
@@ -297,54 +290,9 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None,
         if state["scheduler"] is None:
             raise ValueError(f"{path} was saved without a scheduler state")
         scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     log.info("resumed from %s", path)
     return state["trainer_state"]
-
-
-# --------------------------------------------------------------------------------------------
-# Preemption
-
-
-class PreemptionHandler:
-    """Turn SIGTERM / SIGUSR1 into a flag the training loop polls, instead of dying.
-
-        with PreemptionHandler() as preempt:
-            for step in ...:
-                train_step()
-                if preempt.requested:
-                    save_checkpoint(...)
-                    sys.exit(EXIT_PREEMPTED)
-
-    Save inside the `with` block: further signals then only set the flag again, so they cannot
-    interrupt the save. The previous handlers are restored on exit. Must be entered from the
-    main thread (a Python restriction on signal handlers).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, signals: tuple[signal.Signals, ...] = SIGNALS) -> None:
-        self.signals = tuple(signals)
-        self.requested = False
-        self.received: list[str] = []
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        self.received.append(name)
-        if not self.requested:
-            log.warning("received %s: will checkpoint and exit at the next safe point", name)
-        self.requested = True
-
-    def __enter__(self) -> PreemptionHandler:
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
 
 
 # --------------------------------------------------------------------------------------------

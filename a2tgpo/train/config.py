@@ -88,8 +88,16 @@ class TrainSettings:
         True, "engine vllm: release the engine's memory (vLLM sleep level 1) during the "
         "log-prob passes and the update, wake it for rollouts; a no-op where vLLM has no sleep "
         "mode (CPU).")
+    stop_margin_s: float = option(
+        300.0, "Time budget under SLURM: before each step the trainer reads the job's end time "
+        "and, when the longest of the last steps plus the last save would end less than this "
+        "many seconds before it, saves and exits 75 (resumable) instead of being killed "
+        "mid-step. The profile's --signal=TERM@N is the second line: it stops at the next "
+        "rollout wave.")
 
     def __post_init__(self) -> None:
+        if self.stop_margin_s < 0:
+            raise ValueError(f"stop_margin_s must be >= 0, got {self.stop_margin_s}")
         if self.zero_stage == 3:
             # ZeRO-3 shards the parameters: each rank's rollouts and log-prob passes would
             # need lockstep forwards on every rank

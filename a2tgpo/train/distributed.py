@@ -146,7 +146,7 @@ class DistInfo:
     device: torch.device
 
 
-def _first_slurm_host(nodelist: str) -> str:
+def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list such as `gpu[03-05,07],cpu1`."""
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
@@ -161,7 +161,7 @@ def _first_slurm_host(nodelist: str) -> str:
         return prefix + ranges.split(",")[0].split("-")[0].rstrip("]")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -193,14 +193,14 @@ def launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # e.g. "8(x2)"
         nodes = max(1, int(env.get("SLURM_NNODES", "1")))
         out["LOCAL_WORLD_SIZE"] = per_node or str(max(1, int(out["WORLD_SIZE"]) // nodes))
-        env.setdefault("MASTER_ADDR", _first_slurm_host(env.get("SLURM_JOB_NODELIST",
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST",
                                                                 "127.0.0.1")))
         job = int(env.get("SLURM_JOB_ID", "0"))
         env.setdefault("MASTER_PORT", str(SLURM_PORT_BASE + job % SLURM_PORT_RANGE))
     else:
         out = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     out["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
-    out["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
+    out["MASTER_PORT"] = env.get("MASTER_PORT") or str(free_port())
     return out
 
 

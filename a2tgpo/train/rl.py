@@ -68,12 +68,12 @@ from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.tracking import Tracker
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
-    EXIT_PREEMPTED,
     DataOrder,
-    PreemptionHandler,
     latest_checkpoint,
     load_checkpoint,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
 )
 from a2tgpo.train.config import TrainConfig
 from a2tgpo.train.distributed import (
@@ -82,6 +82,12 @@ from a2tgpo.train.distributed import (
     SingleBackend,
     engine_placement,
     init_distributed,
+)
+from a2tgpo.train.preemption import (
+    EXIT_PREEMPTED,
+    PreemptionHandler,
+    StopRequested,
+    TimeBudget,
 )
 from a2tgpo.train.reference import ReferencePolicy
 from a2tgpo.train.update import (
@@ -120,6 +126,8 @@ class Run:
     start: int  # steps already done (a resume starts after them)
     best: dict = field(default_factory=lambda: {"step": None, "val_em": -1.0})
     tracker: Any = None
+    saved: int | None = None  # the step of the newest checkpoint
+    pending_validation: bool = False  # the newest checkpoint's validation was cut short
 
     @property
     def main(self) -> bool:
@@ -127,35 +135,76 @@ class Run:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) one training job; returns the final summary."""
-    run = start_run(cfg)
-    sched = cfg.schedule
+    """Run (or resume) one training job; returns the final summary. A time limit or a
+    preemption ends it early with a checkpoint and EXIT_PREEMPTED (a2tgpo/train/preemption.py):
+    safe points are each rollout wave and the end of each step."""
+    with PreemptionHandler() as preempt:  # before the set-up: loading a model takes minutes
+        run = start_run(cfg)
+        with run.tracker:
+            summary = _loop(run, preempt)
+    _close(run)
+    return summary
+
+
+def _loop(run: Run, preempt: PreemptionHandler) -> dict:
+    cfg, sched = run.cfg, run.cfg.schedule
+    budget = TimeBudget(cfg.stop_margin_s)
     first = run.start if cfg.method.train else sched.steps  # ReAct: the starting policy only
-    with run.tracker, PreemptionHandler() as preempt:
+    try:
         if run.start == 0:
             run.tracker.log(validate(run, 0), 0)
             save(run, 0)
-        bar = tqdm(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
-                   unit="step", initial=first, total=sched.steps, disable=not run.main)
-        for step in bar:
-            done = step + 1
+        elif run.pending_validation:  # cut short by the stop that ended the previous job
+            run.tracker.log(validate(run, run.start), run.start)
+    except StopRequested as e:
+        _stop(run, None, str(e))  # nothing new to save
+    bar = tqdm(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
+               unit="step", initial=first, total=sched.steps, disable=not run.main)
+    for step in bar:
+        # the ranks agree: one may have been signalled, or read the clock a little later
+        out_of_time = not budget.next_step_fits()
+        if run.backend.all_reduce_sum(float(out_of_time or preempt.requested)) > 0:
+            _stop(run, step, "the job's time budget" if out_of_time else "a stop request")
+        t0 = time.perf_counter()
+        at_start = rng_state(), run.order.state_dict()
+        try:
             metrics, sample = train_step(run, step)
-            if done % sched.eval_every == 0 or done == sched.steps:
+        except StopRequested as e:  # during the rollouts: back to the step's start
+            set_rng_state(at_start[0])
+            run.order.load_state_dict(at_start[1])
+            _stop(run, step, f"{e}, step {step + 1} abandoned")
+        done, pending = step + 1, False
+        if done % sched.eval_every == 0 or done == sched.steps:
+            try:
                 metrics.update(validate(run, done))
-            run.tracker.log(metrics, done)
-            report_step(run, bar, done, metrics, sample)
-            stop = run.backend.all_reduce_sum(float(preempt.requested)) > 0
-            if done % sched.save_every == 0 or done == sched.steps or stop:
-                save(run, done)
-            if stop:
-                log.warning("preemption requested: saved step %d, exiting", done)
-                _close(run)
-                raise SystemExit(EXIT_PREEMPTED)
-        summary = {"steps": sched.steps, "best_step": run.best["step"],
-                   "best_val_em": run.best["val_em"]}
-        run.tracker.summary(summary)
-    _close(run)
+            except StopRequested:
+                pending = True  # the resumed run validates this step first
+        run.tracker.log(metrics, done)
+        report_step(run, bar, done, metrics, sample)
+        stop = pending or run.backend.all_reduce_sum(float(preempt.requested)) > 0
+        if done % sched.save_every == 0 or done == sched.steps or stop:
+            t_save = time.perf_counter()
+            save(run, done, pending_validation=pending)
+            budget.save_took(time.perf_counter() - t_save)
+        if stop:
+            _stop(run, done, "a stop request")
+        budget.step_took(time.perf_counter() - t0)
+    summary = {"steps": sched.steps, "best_step": run.best["step"],
+               "best_val_em": run.best["val_em"]}
+    run.tracker.summary(summary)
     return summary
+
+
+def _stop(run: Run, step: int | None, why: str) -> None:
+    """Checkpoint `step` (None: nothing to save) unless it is the newest checkpoint already,
+    then exit with EXIT_PREEMPTED."""
+    if step is not None and run.saved != step:
+        save(run, step)
+    if run.main:
+        log.warning("stopping for %s: newest checkpoint step %s; exit %d (resumable)", why,
+                    run.saved, EXIT_PREEMPTED)
+    _close(run)
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
@@ -223,7 +272,7 @@ def start_run(cfg: TrainConfig) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm))
     train_qs = load_questions(cfg.train_file)
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
-    start, best = 0, {"step": None, "val_em": -1.0}
+    start, best, pending = 0, {"step": None, "val_em": -1.0}, False
     ckpt = latest_checkpoint(run_dir)
     # optimizer state in the checkpoint's backend/ (older checkpoints of this project: in
     # state.pt, single process only)
@@ -233,6 +282,7 @@ def start_run(cfg: TrainConfig) -> Run:
         state = load_checkpoint(ckpt, model=model, scheduler=scheduler,
                                 optimizer=None if in_backend or distributed else optimizer)
         start, best = state["step"], state["best"]
+        pending = state.get("pending_validation", False)
         order.load_state_dict(state["data_order"])
         log.info("resumed from %s (step %d)", ckpt, start)
     backend = _make_backend(cfg, model, optimizer)
@@ -248,7 +298,8 @@ def start_run(cfg: TrainConfig) -> Run:
               tool=SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok,
                               cfg.rollout),
               train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
-              order=order, start=start, best=best)
+              order=order, start=start, best=best,
+              saved=None if ckpt is None else start, pending_validation=pending)
     run.tracker = _tracker(cfg) if run.main else _NoTracker()
     if ckpt is not None:  # engines started from the backbone: give them the checkpoint's
         sync_engine(run, Clock())
@@ -277,11 +328,12 @@ def validate(run: Run, step: int) -> dict:
             "val/seconds": time.perf_counter() - t0}
 
 
-def save(run: Run, step: int) -> None:
+def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
     """Checkpoint `step`: rank 0 writes the weights and trainer state, and every rank adds its
     optimizer state (its shard, under DeepSpeed) to the folder's backend/ before the folder
     is marked complete. Older kept checkpoints then drop their backend/ (weights only)."""
     backend = run.backend
+    run.saved = step
 
     def backend_state(tmp: Path | None) -> None:
         if tmp is not None:
@@ -298,7 +350,8 @@ def save(run: Run, step: int) -> None:
                     optimizer=None, scheduler=run.scheduler,
                     keep_last=run.cfg.schedule.keep_last, keep_steps=keep,
                     trainer_state={"step": step, "best": dict(run.best),
-                                   "data_order": run.order.state_dict()},
+                                   "data_order": run.order.state_dict(),
+                                   "pending_validation": pending_validation},
                     extra_state=backend_state)
 
 
@@ -366,10 +419,20 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
 def _rollout(run: Run, questions: list[Question], *, seed: int, greedy: bool = False
              ) -> list[Trajectory]:
     """This rank's rollouts of `questions` by its own engine, each marked with the rank (for
-    the engine-vs-trainer check); none where the rank hosts no engine."""
-    if not questions:
-        return []
-    trajs = rollout(run.cfg, questions, run.engine, run.tool, seed=seed, greedy=greedy)
+    the engine-vs-trainer check); none where the rank hosts no engine.
+
+    A stop requested during any rank's waves raises StopRequested on every rank: the ranks
+    agree first (every rank reaches this sum once per call), so none is left waiting in the
+    gather that follows."""
+    trajs, stopped = [], False
+    try:
+        if questions:
+            trajs = rollout(run.cfg, questions, run.engine, run.tool, seed=seed,
+                            greedy=greedy)
+    except StopRequested:
+        stopped = True
+    if run.backend.all_reduce_sum(float(stopped)) > 0:
+        raise StopRequested("stop requested during the rollouts")
     return [replace(t, extra={**t.extra, "rank": run.backend.rank}) for t in trajs]
 
 

@@ -18,20 +18,26 @@ from a2tgpo.retrieval.sidecar import ENV_URL, RetrieverStartError, run_with_retr
 REPO = Path(__file__).resolve().parents[2]
 
 # the job: search once through the URL it was given, record the answer, exit 75 (preempted);
-# with "wait", first block until SIGTERM arrives
+# with "wait", first block until SIGTERM arrives, then search once more (as a trainer finishing
+# its rollout wave does) before exiting
 JOB = textwrap.dedent("""
     import json, os, signal, sys, time
     from a2tgpo.retrieval.http import HttpRetriever
     out = sys.argv[1]
-    hits = HttpRetriever(os.environ["A2TGPO_RETRIEVER_URL"], retries=1).search(["Paris"], 2)
+    client = HttpRetriever(os.environ["A2TGPO_RETRIEVER_URL"], retries=1)
+    hits = client.search(["Paris"], 2)
     got = {"url": os.environ["A2TGPO_RETRIEVER_URL"], "ids": [h.id for h in hits[0]]}
     if len(sys.argv) > 2:
-        signal.signal(signal.SIGTERM, lambda s, f: (json.dump({**got, "signal": s},
-                                                              open(out, "w")), sys.exit(75)))
+        signalled = []
+        signal.signal(signal.SIGTERM, lambda s, f: signalled.append(s))
         open(out + ".waiting", "w").close()
-        while True:
+        while not signalled:
             time.sleep(0.1)
-    json.dump(got, open(out, "w"))
+        time.sleep(1.0)  # the server got its SIGTERM too by now
+        after = [h.id for h in client.search(["Paris"], 2)[0]]
+        json.dump({**got, "signal": signalled[0], "after": after}, open(out, "w"))
+    else:
+        json.dump(got, open(out, "w"))
     sys.exit(75)
 """)
 
@@ -64,8 +70,9 @@ def test_the_job_searches_its_own_server_which_is_stopped_after(world_dir, tmp_p
 
 
 def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path):
-    """A SLURM time limit signals the wrapper: the job gets the signal (to checkpoint) and the
-    wrapper exits with the job's status after stopping the server."""
+    """A SLURM time limit signals the job's processes: the job gets the signal (to checkpoint),
+    the server goes on serving it, and the wrapper exits with the job's status after stopping
+    the server."""
     from a2tgpo.algo.methods import METHODS
     from a2tgpo.config import dump_config
     from a2tgpo.model.backbone import BackboneConfig
@@ -89,13 +96,19 @@ def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path)
             assert wrapper.poll() is None, wrapper.stdout.read()
             assert time.monotonic() < deadline, "the job did not start within 60 s"
             time.sleep(0.1)
+        # SLURM signals every process of the job: the wrapper (which passes it on to the job)
+        # and the server, which must keep serving until the job is done
+        server = json.loads((tmp_path / "run" / "retriever" / "retriever.ready.json")
+                            .read_text())["pid"]
         wrapper.send_signal(signal.SIGTERM)
+        os.kill(server, signal.SIGTERM)
         log, _ = wrapper.communicate(timeout=60)
     finally:
         if wrapper.poll() is None:
             wrapper.kill()
     assert wrapper.returncode == 75, log
-    assert json.loads(out.read_text())["signal"] == signal.SIGTERM
+    got = json.loads(out.read_text())
+    assert got["signal"] == signal.SIGTERM and got["after"] == got["ids"]  # still served
     assert _server_gone(tmp_path / "run" / "retriever")
     assert "retrieval server stopped" in log
 

@@ -135,3 +135,20 @@ def test_search_r1_style_retries_invalid_actions(scripted, toy_tokenizer):
 def test_extract_query_takes_the_last_one():
     assert extract_query("<search> a </search> x <search>  b c </search>") == "b c"
     assert extract_query("no tags") is None
+
+
+def test_a_stop_request_ends_the_rollout_at_the_next_wave(scripted, toy_tokenizer):
+    # the stop arrives during wave 1 (its search): wave 1 completes, wave 2 never starts
+    from a2tgpo.train.preemption import PreemptionHandler, StopRequested, request_stop
+
+    class StopOnSearch(FixedRetriever):
+        def search(self, queries, topk):
+            request_stop("SIGTERM")
+            return super().search(queries, topk)
+
+    engine = scripted(search_then_answer)
+    tool = SearchTool(StopOnSearch(), toy_tokenizer, CFG)
+    with PreemptionHandler():  # clears the request on exit
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            rollout_chains(QS, 3, engine, tool, CFG, seed=0)
+    assert len(engine.calls) == 1

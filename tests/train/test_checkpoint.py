@@ -14,16 +14,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer
 from a2tgpo.train.checkpoint import (
     COMPLETE,
-    EXIT_PREEMPTED,
     DataExhausted,
     DataOrder,
-    PreemptionHandler,
     checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from a2tgpo.train.preemption import EXIT_PREEMPTED, PreemptionHandler
 
 TINY = ToyBackboneConfig(
     vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

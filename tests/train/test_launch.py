@@ -1,0 +1,100 @@
+"""`a2tgpo launch`: ranks get their rendezvous, a stop reaches them and nothing kills them, and a
+failing rank stops the others. Real processes (a small rank script), no training."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from a2tgpo.train.launch import rank_envs
+from a2tgpo.train.preemption import EXIT_PREEMPTED
+
+# each rank: a gloo all-reduce of its rank (the rendezvous works), then per MODE
+RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    out, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda s, f: stopped.append(s))
+    dist.init_process_group("gloo")
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    open(f"{out}/rank{rank}.env", "w").write(
+        f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {x.item()}")
+    if mode == "done":
+        sys.exit(0)
+    if mode == "fail" and rank == 1:
+        sys.exit(3)
+    open(f"{out}/rank{rank}.ready", "w").close()
+    deadline = time.time() + 120
+    while not stopped and time.time() < deadline:
+        time.sleep(0.05)
+    if mode == "stop":
+        time.sleep(2)  # a checkpoint being written after the signal
+        open(f"{out}/rank{rank}.saved", "w").close()
+        sys.exit(75)
+    sys.exit(1)  # fail mode, the surviving rank: should have been stopped by the launcher
+""")
+
+
+def _launch(tmp_path, mode, nproc=2):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    cmd = [sys.executable, "-m", "a2tgpo.cli", "launch", "--nproc", str(nproc), "--",
+           sys.executable, str(script), str(tmp_path), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _wait_for(paths, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+
+
+def test_ranks_get_their_rendezvous(tmp_path):
+    proc = _launch(tmp_path, "done")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    # local rank, world size, and the all-reduce of ranks 0 + 1
+    assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0", "1 2 1.0"]
+
+
+def test_sigterm_reaches_every_rank_which_then_saves_and_exits_75(tmp_path):
+    proc = _launch(tmp_path, "stop")
+    _wait_for([tmp_path / f"rank{r}.ready" for r in (0, 1)], proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as a job script would get it
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    # every rank got it and finished its save after the signal: nobody was killed
+    assert all((tmp_path / f"rank{r}.saved").exists() for r in (0, 1)), out[-3000:]
+
+
+def test_a_failing_rank_stops_the_others_and_gives_its_status(tmp_path):
+    proc = _launch(tmp_path, "fail")
+    out, _ = proc.communicate(timeout=120)
+    # rank 1 exited 3; rank 0 (waiting for a signal, up to 120 s) was stopped by the launcher
+    # with SIGTERM, which makes it exit 1 at once; the job's status is rank 1's
+    assert proc.returncode == 3, out[-3000:]
+    assert "rank 1 exited with status 3" in out
+
+
+def test_rank_envs_for_several_nodes():
+    envs = rank_envs(2, nnodes=3, environ={"SLURM_NODEID": "1", "SLURM_JOB_ID": "7",
+                                           "SLURM_JOB_NODELIST": "gpu[03-05]"})
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [
+        ("2", "0", "6"), ("3", "1", "6")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"gpu03"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    with pytest.raises(ValueError, match="SLURM_NODEID"):
+        rank_envs(2, nnodes=2, environ={})
