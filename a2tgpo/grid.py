@@ -97,6 +97,13 @@ class TrainSection(TrainSettings):
         "dev_em", "Checkpoint selection: dev EM (default) or the papers' best test average "
         "(labelled so in the tables).")
     runtime_min: int = option(60, "Wall-time request of a training job (minutes, SLURM).")
+    seconds_per_step: float | None = option(
+        None, "Wall time of one RL step (s) on the training nodes, for the train rule's "
+        "retries; null = measured from a cell's metrics.jsonl once it has run, else the "
+        "estimate of `a2tgpo plan` (GPU cells).")
+    spare_retries: int = option(
+        2, "Retries of a training job beyond the jobs its run length needs at runtime_min "
+        "(preemptions, node failures; a preempted job resumes from its checkpoint).")
     mem_mb: int = option(8000, "Memory request of a training job (MB).")
     gpu_memory_gb: float = option(
         80.0, "Memory of one GPU of the training nodes, GiB (nvidia-smi's total / 1024): what "

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -393,6 +394,8 @@ class CellPlan:
     gpu_hours: float | None
     disk_bytes: float
     params: int
+    steps: int = 0  # RL steps of the cell (0: ReAct, nothing trained)
+    step_s: float | None = None  # estimated wall time of one step (GPU cells)
 
     def total(self, phase: str) -> float:
         scale = 1 if self.on_gpu else self.world  # a CPU job's ranks share its memory
@@ -454,14 +457,14 @@ def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: flo
                            index_bytes=index_bytes)
     sched = cfg.schedule
     steps = sched.steps if cfg.method.train else 0
-    hours = (steps * step_seconds(cfg, sizes, world, assume) * world / 3600
-             if on_gpu else None)
+    step_s = step_seconds(cfg, sizes, world, assume) if on_gpu else None
+    hours = steps * step_s * world / 3600 if step_s is not None else None
     return CellPlan(cell=cfg.cell, on_gpu=on_gpu, world=world, capacity=capacity,
                     phases=phases,
                     tokens_per_step=sched.prompts_per_step * cfg.method.rollout.n
                     * assume.mean_tokens,
                     gpu_hours=hours, disk_bytes=disk_bytes(cfg, sizes, on_gpu),
-                    params=sizes.params)
+                    params=sizes.params, steps=steps, step_s=step_s)
 
 
 def _index_bytes(study, on_gpu: bool) -> float:
@@ -593,3 +596,80 @@ def print_plan(plans: list[CellPlan], assume: Assumptions, console=None) -> None
                   + (f"; {sum(hours):,.0f} GPU-hours (estimate)" if hours else ""))
     console.print("assumptions: " + ", ".join(f"{f.name}={getattr(assume, f.name):g}"
                                               for f in dataclasses.fields(assume)))
+
+
+# --------------------------------------------------------------------------------------------
+# retries: enough training jobs for a cell's whole run at the partition's time limit
+
+# set-up of a training job before its first step (model load, engines, the job's retrieval
+# server loading its index): an assumption, stated in what the DAG prints
+JOB_SETUP_S = 600.0
+
+
+@dataclass(frozen=True)
+class RetryPlan:
+    retries: int | None  # the train rule's; None: the profile's `retries`
+    lines: tuple[str, ...]  # what the DAG prints
+    error: str | None = None  # a step longer than a whole job: no number of retries helps
+
+
+def measured_step_s(run_dir: str | Path) -> tuple[float | None, int]:
+    """(mean `time/step` of the cell's logged steps, the last logged step); (None, 0) before
+    any step ran."""
+    from a2tgpo.tracking import read_metrics
+
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        return None, 0
+    rows = read_metrics(run_dir)
+    times = [r["time/step"] for r in rows if "time/step" in r]
+    last = max((r["step"] for r in rows), default=0)
+    return (sum(times) / len(times) if times else None), last
+
+
+def plan_retries(study, plans: list[CellPlan], run_dirs: dict[str, str]) -> RetryPlan:
+    """Retries of the train rule from the longest cell: its remaining steps x seconds per step
+    (measured from the cell's metrics.jsonl, else train.seconds_per_step, else the plan's GPU
+    estimate) over what one job can do (train.runtime_min minus train.stop_margin_s and
+    JOB_SETUP_S), plus train.spare_retries for preemptions and failures."""
+    train = study.train
+    usable = train.runtime_min * 60 - train.stop_margin_s - JOB_SETUP_S
+    worst, unknown, lines = None, [], []
+    for p in plans:
+        if p.steps == 0:
+            continue
+        step_s, done = measured_step_s(run_dirs[p.cell])
+        source = "measured"
+        if step_s is None and train.seconds_per_step is not None:
+            step_s, source = train.seconds_per_step, "train.seconds_per_step"
+        if step_s is None and p.step_s is not None:
+            step_s, source = p.step_s, "estimated (`a2tgpo plan`)"
+        if step_s is None:
+            unknown.append(p.cell)
+            continue
+        if usable < step_s:
+            return RetryPlan(None, (), (
+                f"cell {p.cell}: one step takes {step_s:,.0f} s ({source}) but a training job "
+                f"has {usable:,.0f} s (train.runtime_min {train.runtime_min} x 60 - "
+                f"stop_margin_s {train.stop_margin_s:.0f} - {JOB_SETUP_S:.0f} s set-up): no "
+                "job can finish a step; raise train.runtime_min or shrink the step"))
+        jobs = max(1, math.ceil(max(0, p.steps - done) * step_s / usable))
+        if worst is None or (jobs, p.steps * step_s) > (worst[0], worst[4] * worst[2]):
+            worst = (jobs, p.cell, step_s, source, p.steps - done)
+    if worst is None:
+        if unknown and any(p.on_gpu for p in plans):
+            lines.append("train retries: the profile's; no seconds per step known for "
+                         f"{len(unknown)} cells (set train.seconds_per_step)")
+        return RetryPlan(None, tuple(lines))
+    jobs, cell, step_s, source, steps = worst
+    retries = jobs - 1 + train.spare_retries
+    lines.append(
+        f"train retries: {retries} = {jobs} jobs for the longest cell ({cell}: {steps} steps x "
+        f"{step_s:,.0f} s/step, {source}, at {usable / 3600:,.1f} h of work per "
+        f"{train.runtime_min}-min job) - 1 + {train.spare_retries} spare (train.spare_retries)")
+    if jobs > 1 and train.spare_retries == 0:
+        lines.append("warning: train.spare_retries is 0: one preemption or failure and a "
+                     "cell's retries run out before its last step")
+    if unknown:
+        lines.append(f"warning: no seconds per step known for {len(unknown)} cells; they get "
+                     "the same retries")
+    return RetryPlan(retries, tuple(lines))

@@ -1,6 +1,7 @@
-"""`a2tgpo train` with backend deepspeed: 2 ranks through the real `deepspeed` launcher (CPU,
-gloo, ZeRO-2, the KL reference under ZeRO-3) on the toy world, then a resume from the sharded
-checkpoint.
+"""`a2tgpo train` with backend deepspeed: 2 ranks through `a2tgpo launch`, the DAG's command
+(CPU, gloo, ZeRO-2, the KL reference under ZeRO-3) on the toy world, then a resume from the
+sharded checkpoint, then a SIGTERM to the launcher (a time limit) that both ranks stop on with
+exit 75, and the rerun that finishes.
 
 The update arithmetic of the split (rows rank::world, global counts, dp_size) is checked
 against one process in test_distributed.py; here the whole recipe runs: each rank rolls out
@@ -14,9 +15,10 @@ import importlib.util
 import json
 import math
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,21 +38,20 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS, N = 2, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(cfg_path: Path) -> subprocess.CompletedProcess:
+def _command(cfg_path: Path) -> tuple[list[str], dict]:
+    """The DAG's command for backend deepspeed (workflow/rules/common.smk: train_command)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
                         "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    script = Path(sys.executable).parent / "a2tgpo"  # the console script the DAG rule launches
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(_free_port()), str(script), "train", str(cfg_path)]
+    script = Path(sys.executable).parent / "a2tgpo"  # the console script the DAG rule runs
+    return [str(script), "launch", "--nproc", "2", "--", str(script), "train",
+            str(cfg_path)], env
+
+
+def _launch(cfg_path: Path) -> subprocess.CompletedProcess:
+    cmd, env = _command(cfg_path)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -98,3 +99,25 @@ def test_two_rank_training_runs_gathers_and_resumes(toy_train_config, tmp_path):
     assert "resumed from" in more.stdout + more.stderr
     assert latest_checkpoint(run).name == "step_000003"
     assert read_metrics(run)[-1]["step"] == 3
+
+    # a stop: SIGTERM to the launcher once step 4 is logged reaches both ranks, which agree
+    # (at step 5's first rollout wave, or at its end), save and exit 75; the rerun finishes
+    dump_config(dataclasses.replace(cfg, schedule=dataclasses.replace(schedule, steps=5)),
+                tmp_path / "cfg.yaml")
+    cmd, env = _command(tmp_path / "cfg.yaml")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while read_metrics(run)[-1]["step"] < 4:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 75, out[-4000:]
+    assert latest_checkpoint(run).name in ("step_000004", "step_000005"), out[-4000:]
+    assert not (run / "summary.json").read_text().count('"steps": 5')
+    final = _launch(tmp_path / "cfg.yaml")
+    assert final.returncode == 0, (final.stdout + final.stderr)[-4000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 5
+    assert sorted({r["step"] for r in read_metrics(run)}) == list(range(6))

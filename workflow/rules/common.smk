@@ -77,9 +77,21 @@ DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CE
 if workflow.is_main_process:
     from a2tgpo.plan import plan_study, refusal
 
-    _refused = refusal(plan_study(STUDY))
+    _plans = plan_study(STUDY)
+    _refused = refusal(_plans)
     if _refused:
         sys.exit(f"invalid config: {_refused}")
+    # 4. retries of the train rule: the jobs the longest cell needs at train.runtime_min
+    from a2tgpo.plan import plan_retries
+
+    _retries = plan_retries(STUDY, _plans, {p.cell: f"{R}/runs/{p.cell}" for p in _plans})
+    if _retries.error:
+        sys.exit(f"invalid config: {_retries.error}")
+    for _line in _retries.lines:
+        print(_line, file=sys.stderr)
+    TRAIN_RETRIES = _retries.retries
+else:
+    TRAIN_RETRIES = None  # jobs run one attempt; the main process resubmits
 
 
 def data_dir(track):
@@ -137,14 +149,13 @@ def with_retriever(cfg_path):
 
 
 def train_command(wc, threads):
-    """Single process, or the DeepSpeed launcher over `train.nproc` processes per node."""
+    """Single process, or `train.nproc` ranks per node through `a2tgpo launch`, which passes a
+    time limit's SIGTERM on to the ranks and, unlike the deepspeed launcher, never kills them
+    30 s later (a2tgpo/train/launch.py)."""
     train = STUDY.train
     if train.backend == "single":
         return "a2tgpo train"
-    return (
-        f"deepspeed --num_gpus {train.nproc} --num_nodes {train.nodes} "
-        "$(command -v a2tgpo) train"
-    )
+    return f"a2tgpo launch --nproc {train.nproc} --nnodes {train.nodes} -- a2tgpo train"
 
 
 def cell_outputs(cells):

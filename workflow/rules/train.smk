@@ -52,6 +52,8 @@ rule train:
         f"{R}/runs/{{cell}}/summary.json",
     log:
         f"{R}/logs/runs/{{cell}}/train.log",
+    # enough attempts for the run at its time limit (common.smk, 4.); None: the profile's
+    retries: TRAIN_RETRIES
     threads: TRAIN.threads
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, TRAIN.nproc),
@@ -60,5 +62,7 @@ rule train:
     params:
         cmd=lambda wc, threads: train_command(wc, threads),
         retriever=lambda wc, input: with_retriever(input.cfg),
+    # exec: no shell between Snakemake and the job, since SLURM's SIGTERM reaches every
+    # process of the job step and a shell would die of it (a2tgpo/train/preemption.py)
     shell:
-        "OMP_NUM_THREADS={threads} {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} exec {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
