@@ -16,10 +16,17 @@ Also checked: GPU rules got their GPUs (--gpus, never --ntasks-per-gpu), CPU rul
 Needs root and Debian's slurmctld, slurmd, slurm-client and munge (`bash tests/workflow/slurm/
 cluster.sh install`); skipped with the reason otherwise. It takes 4-5 minutes on 2 cores (most
 of it the plugin's status polling, whose interval grows by 10 s while no job finishes, and each
-job re-reading the workflow), so it is marked `slow`: the suite runs it wherever SLURM is
-installed (3.5-5 min), and skips it with the reason elsewhere.
+job re-reading the workflow).
+
+The time-limit test cuts a running training job's limit to a minute (`scontrol update
+TimeLimit`): SLURM then sends the profile's early SIGTERM, the trainer checkpoints and exits 75,
+Snakemake's retry resumes the cell, and its final weights equal an uninterrupted run's.
+
+Both are marked `cluster` (and `slow`): left out of the default run, `.ci/run` installs SLURM
+and runs them as a step of their own (`./run pytest -m cluster tests/workflow/test_slurm.py`).
 """
 
+import json
 import os
 import re
 import shutil
@@ -31,7 +38,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+from a2tgpo.tracking import read_metrics
+from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent / "slurm"
@@ -70,15 +81,20 @@ def _missing_prerequisite():
 def cluster(tmp_path_factory):
     reason = _missing_prerequisite()
     if reason:
+        if os.environ.get("A2TGPO_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
         pytest.skip(reason)
     # not under pytest's tmp dirs: they are mode 0700 and munged runs as user munge
     cdir = Path(tempfile.mkdtemp(prefix="a2tgpo-slurm-"))
+    # CI (.ci/run) sets A2TGPO_REQUIRE_SLURM: a cluster that does not start is a failure there
+    required = os.environ.get("A2TGPO_REQUIRE_SLURM") == "1"
     r = subprocess.run(["bash", str(HERE / "cluster.sh"), "start", str(cdir)],
                        capture_output=True, text=True, timeout=120)
     logs = tmp_path_factory.mktemp("slurm-logs")  # the daemons' logs, kept for a failure
     try:
         if r.returncode != 0:
-            pytest.skip(f"could not start a local SLURM cluster: {r.stderr[-2000:]}")
+            (pytest.fail if required else pytest.skip)(
+                f"could not start a local SLURM cluster: {r.stderr[-2000:]}")
         # DIR/bin holds an srun that keeps SLURM_CONF (see cluster.sh); jobs inherit PATH
         env = {**os.environ, "SLURM_CONF": str(cdir / "slurm.conf"),
                "PATH": f"{cdir / 'bin'}:{BIN}:{os.environ['PATH']}:/usr/sbin:/sbin",
@@ -196,6 +212,8 @@ def test_profile_resource_mapping_dry_run(workdir):
     # grid jobs: GPUs, CPUs (threads), wall time and memory from the study config (train.*)
     threads, res = by_rule["train"]
     assert threads == train["threads"] and "cpus_per_task" not in res, res
+    # SIGTERM 10 min before the time limit: the trainer checkpoints and exits 75
+    assert "--signal=TERM@600" in res.get("slurm_extra", ""), res
     assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
         train["nproc"] * train["nodes"], train["mem_mb"], train["runtime_min"]), res
     # evaluation jobs: the study config's eval section, not training's resources
@@ -246,6 +264,7 @@ def test_eval_jobs_take_the_eval_section_dry_run(workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, toy_workdir):
     workdir = toy_workdir
     env = cluster
@@ -293,9 +312,13 @@ def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, toy_workdir):
     assert (workdir / CELL.format(1) / "eval/summary.json").exists(), out[-4000:]
     assert not (workdir / CELL.format(2) / "summary.json").exists()
     assert not (res / "tables/main.md").exists()
-    # the requeued job ran twice and completed
+    # the requeued job was requeued (SLURM counts a restart) and its cell completed: by the
+    # job's own second run or, where SLURM ends the requeued run FAILED (it did once on a
+    # loaded node: "STEP ... CANCELLED DUE TO JOB REQUEUE"), through Snakemake's retry; either
+    # way resumed from its checkpoints with every step logged
     info = show_job(env, requeued)
-    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, info
+    assert int(info["Restarts"]) >= 1, info
+    assert sorted({r["step"] for r in read_metrics(workdir / CELL.format(1))}) == [0, 1, 2]
 
     # resources as the profile maps them: GPU rules get --gpus (a GRES), never --ntasks-per-gpu
     table = jobs(env)
@@ -325,3 +348,94 @@ def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, toy_workdir):
     for target in TARGETS:
         assert (workdir / target).exists(), target
     print(f"SLURM test wall time: first run {t1 - t0:.0f} s, rerun {t2 - t1:.0f} s")
+
+
+# the time-limit test's cell: long enough (in steps) that the training job is still running
+# when SLURM's time-limit signal arrives (slurmctld checks time limits every 30 s)
+LIMIT_CELL = CELL.format(1)
+LIMIT_STEPS = 40
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_slurm_time_limit_mid_step_resumes_to_the_same_weights(cluster, toy_workdir):
+    """A training job whose time limit is cut to a minute while it trains: SLURM sends the
+    profile's early SIGTERM (--signal=TERM@600: the new limit is closer than that), the
+    trainer stops at its next safe point with a checkpoint of its last finished step and exits
+    75, Snakemake's retry resumes it, and the cell ends with exactly the weights and metrics of
+    an uninterrupted run of the same config outside SLURM."""
+    workdir, env = toy_workdir, cluster
+    cfg_file = workdir / "config/config.yaml"
+    cfg = yaml.safe_load(cfg_file.read_text())
+    cfg["grid"]["sets"]["slurmtest"]["seeds"] = [1]
+    cfg["train"]["schedule"].update(steps=LIMIT_STEPS, save_every=25, eval_every=20,
+                                    keep_last=5)
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run = workdir / LIMIT_CELL
+    seen = {}
+
+    def logged_step():
+        try:
+            return max(r["step"] for r in read_metrics(run))
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def intervene(table):
+        now = time.monotonic()
+        if "cut" not in seen:
+            jid = find(table, "train", "seed~1", states={"RUNNING"})
+            if jid:
+                seen.setdefault("running", now)
+                if logged_step() >= 3:  # training, not setting up
+                    elapsed = int(now - seen["running"]) + 1
+                    limit = elapsed + 60
+                    subprocess.run(["scontrol", "update", f"JobId={jid}",
+                                    f"TimeLimit={limit // 60}:{limit % 60:02d}"], env=env,
+                                   check=True)
+                    seen.update(cut=jid, cut_at_step=logged_step())
+        elif "ended" not in seen and table.get(seen["cut"], ("",))[0] not in (
+                "RUNNING", "COMPLETING", "PENDING", "CONFIGURING"):
+            # the first attempt is over: what it left before the retry starts training
+            seen.update(ended=table[seen["cut"]][0], step=logged_step(),
+                        ckpt=latest_checkpoint(run), log=(
+                            workdir / "results/toy/logs" / LIMIT_CELL.split("results/toy/")[1]
+                            / "train.log").read_text())
+
+    command = [c for c in COMMAND if c not in TARGETS]
+    with open(workdir / "limit.log", "w") as fh:
+        proc = subprocess.Popen([*command, f"{LIMIT_CELL}/summary.json"], cwd=workdir, env=env,
+                                stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, (workdir / "limit.log").read_text()[-4000:]
+            intervene(jobs(env))
+            time.sleep(0.25)
+    out = (workdir / "limit.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "ended" in seen, (seen, out[-4000:])
+    # the first attempt stopped itself (exit 75, a FAILED job to SLURM) mid-run, on the signal
+    assert seen["ended"] == "FAILED", seen
+    assert "received SIGTERM" in seen["log"] and "exit 75" in seen["log"], seen["log"][-3000:]
+    assert seen["cut_at_step"] < seen["step"] < LIMIT_STEPS
+    # no step lost beyond the one the signal cut: the checkpoint is the last logged step
+    assert checkpoint_step(seen["ckpt"]) == seen["step"], seen
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == LIMIT_STEPS
+
+    # the same config, uninterrupted, outside SLURM
+    straight = workdir / "straight"
+    cell_cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cell_cfg["run_dir"] = str(straight)
+    (workdir / "straight.yaml").write_text(yaml.safe_dump(cell_cfg))
+    local = {k: v for k, v in env.items() if not k.startswith("SLURM")}
+    r = subprocess.run([str(BIN / "a2tgpo"), "train", str(workdir / "straight.yaml")],
+                       cwd=workdir, env={**local, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    a = load_file(latest_checkpoint(straight) / "model" / "model.safetensors")
+    b = load_file(latest_checkpoint(run) / "model" / "model.safetensors")
+    assert latest_checkpoint(run).name == latest_checkpoint(straight).name
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert json.loads((straight / "summary.json").read_text()) == summary
