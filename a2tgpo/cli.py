@@ -183,6 +183,19 @@ def cmd_with_retriever(args) -> int:
         return 1
 
 
+def cmd_fetch_backbone(args) -> int:
+    from a2tgpo.model.backbone import load_backbone_config
+    from a2tgpo.model.fetch import FetchError, fetch_backbone
+
+    cfg = load_backbone_config(args.config)
+    try:
+        fetch_backbone(cfg, args.out, endpoint=args.endpoint)
+    except FetchError as e:
+        print(f"a2tgpo fetch-backbone: {args.config}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_launch(args) -> int:
     from a2tgpo.train.launch import launch
 
@@ -734,6 +747,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="the cell's resolved config.yaml (a TrainConfig)")
     p.set_defaults(func=cmd_with_retriever)
+
+    p = sub.add_parser(
+        "fetch-backbone",
+        help="download a released backbone at its pinned revision into a study folder",
+        description="Fetch the backbone file's hub `path` at its `revision` (a commit pins it; a "
+        "branch or tag is resolved once, with a warning naming the commit to pin): configs, "
+        "tokenizer files, chat template and safetensors weights only, into a temporary folder "
+        "checked (config.json, every shard of the index) and renamed into place, with "
+        "fetch.json (repo, revision, commit, file sizes) written last. The DAG runs it once per "
+        "backbone on the submitting host; jobs load the folder with the hub offline.",
+        formatter_class=fmt,
+    )
+    p.add_argument("config", help="a backbone file, e.g. config/backbones/qwen3-8b.yaml")
+    p.add_argument("--out", required=True, help="the folder, e.g. results/paper/models/qwen3-8b")
+    p.add_argument("--endpoint", default=None,
+                   help="hub endpoint (default: huggingface_hub's, HF_ENDPOINT)")
+    p.set_defaults(func=cmd_fetch_backbone)
 
     p = sub.add_parser(
         "launch",

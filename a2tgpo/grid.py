@@ -84,8 +84,9 @@ class TrainSection(TrainSettings):
 
     nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).")
     nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).")
-    threads: int = option(1, "CPU threads per training job (torch intra-op); evaluation jobs: "
-                             "eval.threads.")
+    threads: int = option(1, "CPUs of a training job (SLURM cpus-per-task, OMP_NUM_THREADS); "
+                             "backend deepspeed: `a2tgpo launch` gives each of the nproc ranks "
+                             "threads / nproc. Evaluation jobs: eval.threads.")
     overrides: tuple[str, ...] = option(
         (), "Dotted TrainConfig overrides applied to every cell, e.g. "
         "\"method.rollout.n=4\".")

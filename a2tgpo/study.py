@@ -38,6 +38,7 @@ from a2tgpo.grid import (
     validate_grid,
 )
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
+from a2tgpo.model.fetch import is_hub_id
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
@@ -110,6 +111,11 @@ class StudyConfig:
 
     study: str = option(doc="Study name; every output goes under <results_dir>/<study>/.")
     results_dir: str = option("results", "Root directory of everything the DAG writes.")
+    cache_dir: str | None = option(
+        None, "Caches of the DAG's jobs (the hub's and the datasets library's, e.g. the corpus "
+        "converted to Arrow; vLLM's, Triton's and DeepSpeed's compiled kernels); null = "
+        "<results_dir>/<study>/cache. Never $HOME: cluster home quotas are small. A variable "
+        "already set in the environment (HF_HUB_CACHE, ...) wins.")
     backbones_dir: str = option("config/backbones", "Where <backbone id>.yaml files live.")
     backbones: tuple[str, ...] = option(
         ("toy",), "Backbone ids of the grid (files <backbones_dir>/<id>.yaml)."
@@ -270,11 +276,32 @@ def index_file(study: StudyConfig) -> str:
     return study.retrieval.index.prebuilt or f"{study.root}/index/dense.faiss"
 
 
+def model_dir(study: StudyConfig, backbone_id: str) -> str:
+    """Where the DAG fetches a released backbone given by hub id (a2tgpo/model/fetch.py)."""
+    return f"{study.root}/models/{backbone_id}"
+
+
 def policy_dir(study: StudyConfig, backbone_id: str) -> str:
     """Where a cell's starting policy lives: the warm-started model for built (toy) backbones,
-    the released weights (hub id or local path) otherwise."""
+    the fetched folder for hub ids, the backbone's own local directory otherwise."""
     cfg = study.backbone(backbone_id)
-    return f"{study.root}/sft" if cfg.needs_build else cfg.path
+    if cfg.needs_build:
+        return f"{study.root}/sft"
+    return model_dir(study, backbone_id) if is_hub_id(cfg) else cfg.path
+
+
+def cache_env(study: StudyConfig) -> dict[str, str]:
+    """The cache variables the DAG sets for its jobs (StudyConfig.cache_dir). HF_HOME itself is
+    left alone: the hub token lives there."""
+    root = Path(study.cache_dir or f"{study.root}/cache").absolute()
+    return {"HF_HUB_CACHE": str(root / "huggingface" / "hub"),
+            "HF_XET_CACHE": str(root / "huggingface" / "xet"),
+            "HF_ASSETS_CACHE": str(root / "huggingface" / "assets"),
+            "HF_DATASETS_CACHE": str(root / "huggingface" / "datasets"),
+            "XDG_CACHE_HOME": str(root),
+            "VLLM_CACHE_ROOT": str(root / "vllm"),
+            "TRITON_CACHE_DIR": str(root / "triton"),
+            "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
 
 
 def study_cells(study: StudyConfig) -> dict[str, list[Cell]]:
@@ -288,8 +315,11 @@ def study_cells(study: StudyConfig) -> dict[str, list[Cell]]:
 def resolve_cell(study: StudyConfig, path: str):
     """The resolved TrainConfig of the cell at `path` (what `a2tgpo train` reads)."""
     cell = Cell.parse(path)
-    backbone = dataclasses.replace(study.backbone(cell.backbone),
-                                   path=policy_dir(study, cell.backbone))
+    released = study.backbone(cell.backbone)
+    # a fetched folder is at the pinned revision already (its fetch.json records it)
+    backbone = dataclasses.replace(
+        released, path=policy_dir(study, cell.backbone),
+        revision=None if is_hub_id(released) else released.revision)
     return cell_config(
         cell, study=study.study, results_root=str(study.root), backbone=backbone,
         train=study.train, methods_dir=study.methods_dir, retrieval=study.retrieval,

@@ -166,16 +166,59 @@ def check_count(ntotal: int, n_passages: int, where) -> None:
         )
 
 
+def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup",
+                       root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's memory cgroup still allows (limit - usage, bytes), or None without
+    a limit. A SLURM job with --mem runs in such a cgroup (task/cgroup): the node may have
+    far more free memory than the job may use. cgroup v2 (memory.max, memory.current) and v1
+    (memory.limit_in_bytes, memory.usage_in_bytes); the tightest of the process's cgroup and
+    its parents, since a parent's limit binds too."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the unified hierarchy
+            candidates.append((Path(root), path, "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((Path(root) / "memory", path, "memory.limit_in_bytes",
+                               "memory.usage_in_bytes"))
+    left = None
+    for base, path, limit_name, usage_name in candidates:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:depth])
+            try:
+                limit = (d / limit_name).read_text().strip()
+                usage = int((d / usage_name).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            # "max" (v2) or a huge number (v1's "unlimited", ~2**63) is no limit
+            if limit == "max" or int(limit) >= 2**60:
+                continue
+            room = max(0, int(limit) - usage)
+            left = room if left is None else min(left, room)
+    return left
+
+
 def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    """The memory this process can still take: MemAvailable from /proc/meminfo (else total
+    physical memory), capped by its cgroup's limit (a SLURM job's --mem)."""
+    node = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    node = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if node is None:
+        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    job = cgroup_memory_left()
+    return node if job is None else min(node, job)
 
 
 def load_index(path: str | Path, cfg: IndexConfig, n_passages: int):
@@ -194,7 +237,8 @@ def load_index(path: str | Path, cfg: IndexConfig, n_passages: int):
     if need > cfg.max_memory_fraction * free:
         raise MemoryError(
             f"{path}: loading needs about {need / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB "
-            f"is available (limit {cfg.max_memory_fraction:.0%}); use a machine with more memory, "
+            f"is available to this job (its memory cgroup, e.g. SLURM's --mem, or the node's "
+            f"free memory; limit {cfg.max_memory_fraction:.0%}); request more memory, "
             "a compressed index (e.g. factory IVF4096,PQ64) or faiss-gpu sharding"
         )
     index = faiss.read_index(str(path))

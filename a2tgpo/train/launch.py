@@ -3,8 +3,9 @@
     a2tgpo launch --nproc 8 -- a2tgpo train CONFIG
 
 starts COMMAND `nproc` times with the variables torch.distributed and DeepSpeed read (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE / LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), waits for
-all of them, and exits with:
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE / LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), and the job's
+OMP_NUM_THREADS split between them (the train rule sets it to the job's CPUs, `train.threads`),
+waits for all of them, and exits with:
 
   - the first failing rank's status, after stopping the others (a rank that dies leaves the
     rest waiting in a collective forever): SIGTERM, then SIGKILL after `fail_grace_s`;
@@ -54,7 +55,12 @@ def rank_envs(nproc: int, *, nnodes: int = 1, environ: dict[str, str] | None = N
         node, addr = 0, env.get("MASTER_ADDR", "127.0.0.1")
         port = env.get("MASTER_PORT") or str(free_port())
     world = nproc * nnodes
-    return [{**env, "RANK": str(node * nproc + local), "LOCAL_RANK": str(local),
+    # the job's CPU threads (OMP_NUM_THREADS = the rule's threads) shared by its ranks, instead
+    # of every rank starting that many
+    threads = env.get("OMP_NUM_THREADS", "")
+    per_rank = ({"OMP_NUM_THREADS": str(max(1, int(threads) // nproc))} if threads.isdigit()
+                else {})
+    return [{**env, **per_rank, "RANK": str(node * nproc + local), "LOCAL_RANK": str(local),
              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
              "MASTER_ADDR": addr, "MASTER_PORT": port}
             for local in range(nproc)]

@@ -112,3 +112,39 @@ def test_gpu_on_without_gpu_is_an_error(built, tmp_path):
     build_index(shards, cfg, len(docs), tmp_path / "x.faiss", {})
     with pytest.raises(RuntimeError, match="faiss sees no GPU"):
         load_index(tmp_path / "x.faiss", dataclasses.replace(cfg, gpu="on"), len(docs))
+
+
+def _cgroup_tree(tmp_path, lines, files):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cgroup").write_text("\n".join(lines) + "\n")
+    for rel, text in files.items():
+        f = tmp_path / "fs" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+
+def test_the_memory_guard_reads_the_jobs_cgroup_limit(tmp_path):
+    from a2tgpo.retrieval.index import cgroup_memory_left
+
+    # cgroup v2, a SLURM job cgroup of 8 GiB with 3 GiB used, inside an unlimited parent
+    gib = 2**30
+    proc, root = _cgroup_tree(tmp_path / "v2", ["0::/slurm/job_7/step_0"], {
+        "slurm/job_7/step_0/memory.max": "max", "slurm/job_7/step_0/memory.current": "1",
+        "slurm/job_7/memory.max": str(8 * gib), "slurm/job_7/memory.current": str(3 * gib),
+        "memory.max": "max", "memory.current": "5"})
+    assert cgroup_memory_left(proc, root) == 5 * gib
+    # cgroup v1: limit_in_bytes / usage_in_bytes under the memory controller; the tighter of
+    # the process's cgroup (4 GiB - 1 GiB) and its parent's (10 GiB - 9.5 GiB) binds
+    proc, root = _cgroup_tree(tmp_path / "v1", ["4:memory:/slurm/uid_0/job_9", "3:cpu:/"], {
+        "memory/slurm/uid_0/job_9/memory.limit_in_bytes": str(4 * gib),
+        "memory/slurm/uid_0/job_9/memory.usage_in_bytes": str(1 * gib),
+        "memory/slurm/uid_0/memory.limit_in_bytes": str(10 * gib),
+        "memory/slurm/uid_0/memory.usage_in_bytes": str(int(9.5 * gib)),
+        "memory/memory.limit_in_bytes": str(2**63 - 4096),  # v1's "unlimited"
+        "memory/memory.usage_in_bytes": "0"})
+    assert cgroup_memory_left(proc, root) == gib // 2
+    # no memory controller, or no limit anywhere: None (the node's free memory decides)
+    proc, root = _cgroup_tree(tmp_path / "none", ["3:cpu:/"], {})
+    assert cgroup_memory_left(proc, root) is None
+    assert cgroup_memory_left(str(tmp_path / "missing"), root) is None

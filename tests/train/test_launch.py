@@ -25,7 +25,8 @@ RANK = textwrap.dedent("""
     x = torch.tensor([float(rank)])
     dist.all_reduce(x)
     open(f"{out}/rank{rank}.env", "w").write(
-        f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {x.item()}")
+        f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {x.item()} "
+        f"{os.environ['OMP_NUM_THREADS']}")
     if mode == "done":
         sys.exit(0)
     if mode == "fail" and rank == 1:
@@ -47,7 +48,7 @@ def _launch(tmp_path, mode, nproc=2):
     script.write_text(RANK)
     cmd = [sys.executable, "-m", "a2tgpo.cli", "launch", "--nproc", str(nproc), "--",
            sys.executable, str(script), str(tmp_path), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "5"}  # the job's threads: 2 for each of 2 ranks
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -66,8 +67,10 @@ def test_ranks_get_their_rendezvous(tmp_path):
     proc = _launch(tmp_path, "done")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
-    # local rank, world size, and the all-reduce of ranks 0 + 1
-    assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0", "1 2 1.0"]
+    # local rank, world size, the all-reduce of ranks 0 + 1, and each rank's share of the
+    # job's 5 threads
+    assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0 2",
+                                                                          "1 2 1.0 2"]
 
 
 def test_sigterm_reaches_every_rank_which_then_saves_and_exits_75(tmp_path):

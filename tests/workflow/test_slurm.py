@@ -263,6 +263,32 @@ def test_eval_jobs_take_the_eval_section_dry_run(workdir):
     assert seen == {"evaluate", "evaluate_all"}
 
 
+def test_paper_plan_fetches_backbones_and_wraps_jobs_dry_run(workdir):
+    """`snakemake --profile slurm --configfile config/paper.yaml -n`: one fetch per backbone on
+    the submitting host, and every training job on its node: its own retrieval server, the
+    ranks through `a2tgpo launch`, exec'd, the hub offline."""
+    paper = yaml.safe_load((workdir / "config/paper.yaml").read_text())
+    jobs_ = dry_run_jobs(workdir, "--profile", "slurm", shell=True)
+    fetches = sorted(cmd for rule, _, _, cmd in jobs_ if rule == "fetch_backbone")
+    assert fetches == [f"a2tgpo fetch-backbone config/backbones/{b}.yaml --out "
+                       f"results/paper/models/{b} > results/paper/logs/fetch_backbone/{b}.log "
+                       "2>&1" for b in sorted(paper["backbones"])]
+    trains = [cmd for rule, _, _, cmd in jobs_ if rule == "train"]
+    assert trains
+    for cmd in trains:
+        assert re.match(r"HF_HUB_OFFLINE=1 OMP_NUM_THREADS=64 exec a2tgpo with-retriever "
+                        r"\S+/config\.yaml -- a2tgpo launch --nproc 8 --nnodes 1 -- a2tgpo "
+                        r"train \S+/config\.yaml > ", cmd), cmd
+    # the cells load the fetched folder, not the hub id
+    import a2tgpo.study as study_lib
+
+    study = study_lib.load_study(ROOT / "config/paper.yaml")
+    cell = study_lib.study_cells(study)[study.grid.default[0]][0]
+    cfg = study_lib.resolve_cell(study, cell.path)
+    assert cfg.backbone.path == f"results/paper/models/{cell.backbone}"
+    assert cfg.backbone.revision is None
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_slurm_grid_requeue_cancel_keep_going_and_rerun(cluster, toy_workdir):

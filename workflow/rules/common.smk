@@ -19,6 +19,15 @@ except ConfigError as e:
     sys.exit(f"invalid config: {e}")
 
 R = str(STUDY.root)  # results/<study>
+
+# jobs' caches under the study (or cache_dir), never $HOME; every job process, local or on
+# SLURM, parses this file, so the variables reach all of them; set ones win
+import os
+
+from a2tgpo.model.fetch import is_hub_id
+
+for _var, _path in study_lib.cache_env(STUDY).items():
+    os.environ.setdefault(_var, _path)
 BACKBONES = {b: STUDY.backbone(b) for b in STUDY.backbones}
 TOY_BACKBONES = {b: cfg for b, cfg in BACKBONES.items() if cfg.needs_build}
 if len({cfg.path for cfg in TOY_BACKBONES.values()}) > 1:
@@ -107,8 +116,14 @@ def run_dir(cell):
 
 
 def policy_inputs(backbone_id):
-    """Files a training job waits for (none for released models: they come from the hub)."""
-    return [f"{R}/sft/config.json"] if BACKBONES[backbone_id].needs_build else []
+    """Files a training job waits for: the warm-started toy model, or a released backbone's
+    fetched folder (none for a backbone given as a local directory)."""
+    cfg = BACKBONES[backbone_id]
+    if cfg.needs_build:
+        return [f"{R}/sft/config.json"]
+    if is_hub_id(cfg):
+        return [f"{study_lib.model_dir(STUDY, backbone_id)}/fetch.json"]
+    return []
 
 
 def resolve_cell(path):
@@ -171,6 +186,7 @@ def set_cells(name):
 wildcard_constraints:
     cell=CELL_PATTERN,
     track=r"[a-z0-9_]+",
+    backbone=r"[A-Za-z0-9._-]+",
 
 
 # --------------------------------------------------------------------------------------------

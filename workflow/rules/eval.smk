@@ -29,7 +29,7 @@ rule evaluate_all:
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} "
+        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} "
         + WITH_RETRIEVER
         + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS
@@ -75,7 +75,7 @@ rule evaluate:
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "OMP_NUM_THREADS={threads} "
+        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} "
         + WITH_RETRIEVER
         + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS

@@ -23,6 +23,23 @@ rule cell_config:
         dump_config(resolve_cell(wildcards.cell), output[0])
 
 
+rule fetch_backbone:
+    """A released backbone at its pinned revision, fetched once on the submitting host
+    (a2tgpo/model/fetch.py): compute nodes need no internet and load it with the hub offline.
+    Its revision is a param: pinning another one fetches again and retrains its cells."""
+    output:
+        f"{R}/models/{{backbone}}/fetch.json",
+    log:
+        f"{R}/logs/fetch_backbone/{{backbone}}.log",
+    localrule: True
+    params:
+        cfg=lambda wc: f"{STUDY.backbones_dir}/{wc.backbone}.yaml",
+        out=lambda wc: study_lib.model_dir(STUDY, wc.backbone),
+        revision=lambda wc: str(BACKBONES[wc.backbone].revision),
+    shell:
+        "a2tgpo fetch-backbone {params.cfg} --out {params.out} > {log} 2>&1"
+
+
 rule mlflow_experiment:
     """Create the study's MLflow experiment once, before parallel jobs race to create it."""
     output:
@@ -65,4 +82,5 @@ rule train:
     # exec: no shell between Snakemake and the job, since SLURM's SIGTERM reaches every
     # process of the job step and a shell would die of it (a2tgpo/train/preemption.py)
     shell:
-        "OMP_NUM_THREADS={threads} exec {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
+        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} exec {params.retriever}{params.cmd} "
+        "{input.cfg} > {log} 2>&1"

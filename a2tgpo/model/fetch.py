@@ -1,0 +1,108 @@
+"""A released backbone fetched once, on the submitting host, at a pinned revision.
+
+    a2tgpo fetch-backbone config/backbones/qwen3-8b.yaml --out results/paper/models/qwen3-8b
+
+The DAG's `fetch_backbone` rule runs this for every backbone whose `path` is a hub id; training
+and evaluation jobs then load `results/<study>/models/<id>` with HF_HUB_OFFLINE=1. So GPU nodes
+need no internet, N jobs never race the hub (or its rate limits), and every job of a study runs
+the same commit.
+
+What is fetched: `huggingface_hub.snapshot_download` of `path` at `revision` (a commit pins it;
+a branch or tag is resolved to its commit once, here), only the files a model is loaded from
+(ALLOW: configs, tokenizer files, the chat template, safetensors weights; no .bin/.gguf/.onnx
+duplicates). Files go to a hidden temporary sibling (huggingface_hub's own metadata, its
+`.cache/`, stays inside it, not in $HOME), are checked (config.json, every safetensors shard of
+the index, the sizes the hub listed), and the folder is renamed into place with fetch.json
+written last: {repo, revision, commit, files: {name: bytes}}. A folder with a fetch.json for
+the same repo and pinned commit is kept as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from a2tgpo.io import atomic_write_json
+from a2tgpo.model.backbone import BackboneConfig
+
+log = logging.getLogger(__name__)
+
+FETCHED = "fetch.json"
+ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*",
+         "vocab*", "merges*"]
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+class FetchError(RuntimeError):
+    """A backbone could not be fetched, or what came is incomplete."""
+
+
+def is_hub_id(cfg: BackboneConfig) -> bool:
+    """Whether the DAG fetches this backbone: released (not built) and `path` is no local
+    directory."""
+    return not cfg.needs_build and not Path(cfg.path).is_dir()
+
+
+def fetched(out: str | Path) -> dict | None:
+    """The fetch.json of a fetched folder, or None."""
+    path = Path(out) / FETCHED
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _check(folder: Path, cfg: BackboneConfig) -> dict[str, int]:
+    """Every file's size; FetchError if the folder cannot be loaded as a model."""
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and ".cache" not in p.relative_to(folder).parts}
+    if "config.json" not in files:
+        raise FetchError(f"{cfg.path}: no config.json in the fetched files ({sorted(files)})")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(shards - set(files))
+        if missing:
+            raise FetchError(f"{cfg.path}: shards listed in model.safetensors.index.json were "
+                             f"not fetched: {missing}")
+    elif not any(f.endswith(".safetensors") for f in files):
+        raise FetchError(f"{cfg.path}: no safetensors weights at revision {cfg.revision} "
+                         "(other formats are not fetched)")
+    return files
+
+
+def fetch_backbone(cfg: BackboneConfig, out: str | Path, *, endpoint: str | None = None
+                   ) -> dict:
+    """Fetch `cfg.path` at `cfg.revision` into `out` (module docstring); returns fetch.json."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    out = Path(out)
+    have = fetched(out)
+    if have is not None and have["repo"] == cfg.path and (
+            cfg.revision in (have["commit"], have["revision"])):
+        log.info("%s: already fetched at %s (%s)", cfg.id, have["commit"], out)
+        return have
+    revision = cfg.revision or "main"
+    if not _COMMIT.match(revision):
+        commit = HfApi(endpoint=endpoint).model_info(cfg.path, revision=revision).sha
+        log.warning("%s: revision %r is not a commit: fetched its current commit %s; pin it "
+                    "(revision: %s in the backbone file) so reruns get the same weights",
+                    cfg.id, revision, commit, commit)
+    else:
+        commit = revision
+    tmp = out.parent / f".{out.name}.fetching"
+    shutil.rmtree(tmp, ignore_errors=True)  # a fetch killed before
+    log.info("%s: fetching %s at %s into %s", cfg.id, cfg.path, commit, out)
+    snapshot_download(cfg.path, revision=commit, local_dir=tmp, allow_patterns=ALLOW,
+                      endpoint=endpoint)
+    files = _check(tmp, cfg)
+    shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
+    record = {"repo": cfg.path, "revision": revision, "commit": commit, "files": files}
+    if out.exists():  # an empty folder (Snakemake makes the output's parent) or an old fetch
+        shutil.rmtree(out)
+    tmp.rename(out)
+    atomic_write_json(out / FETCHED, record)
+    total = sum(files.values())
+    log.info("%s: %d files, %.2f GB at commit %s -> %s", cfg.id, len(files), total / 1e9,
+             commit, out)
+    return record
