@@ -160,7 +160,9 @@ def cmd_serve_retriever(args) -> int:
     h = cfg.http
     serve(retriever, host=args.host or h.host, port=h.port if args.port is None else args.port,
           default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms,
-          ready_file=args.ready_file, hold_on_sigterm=args.hold_on_sigterm)
+          ready_file=args.ready_file, hold_on_sigterm=args.hold_on_sigterm,
+          limits={"max_request_queries": h.max_request_queries, "max_topk": h.max_topk,
+                  "max_body_bytes": h.max_body_bytes})
     return 0
 
 

@@ -88,13 +88,20 @@ class HttpConfig:
         "Server: after the first request of a batch arrives, how long to wait for more before "
         "searching, in milliseconds (latency traded for larger batches).",
     )
+    max_request_queries: int = option(
+        4096, "Server: most queries one request may carry (HTTP 413 beyond; the client sends "
+        "max_batch_queries per request).")
+    max_topk: int = option(100, "Server: largest topk a request may ask (HTTP 422 beyond).")
+    max_body_bytes: int = option(
+        16 * 2**20, "Server: largest request body in bytes (HTTP 413 beyond, before parsing).")
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
-        for name in ("retries", "max_batch_queries", "max_batch"):
+        for name in ("retries", "max_batch_queries", "max_batch", "max_request_queries",
+                     "max_topk", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("backoff_s", "max_wait_ms"):

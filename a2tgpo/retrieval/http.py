@@ -161,12 +161,15 @@ class _Batcher:
 
 
 def build_app(
-    retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float
+    retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float,
+    max_request_queries: int = 4096, max_topk: int = 100, max_body_bytes: int = 16 * 2**20,
 ) -> fastapi.FastAPI:
     """The FastAPI app serving `retriever` on Search-R1's `POST /retrieve`, plus `GET /health`.
 
     The batch worker runs while the app is served (FastAPI lifespan); the caller keeps ownership
-    of `retriever` and closes it.
+    of `retriever` and closes it. Requests over the limits are refused before they reach the
+    batch (413: a body over `max_body_bytes` by its Content-Length, more than
+    `max_request_queries` queries; 422: topk over `max_topk`).
     """
     if default_topk < 1 or max_batch < 1 or max_wait_ms < 0:
         raise ValueError(
@@ -185,6 +188,15 @@ def build_app(
 
     app = fastapi.FastAPI(title="a2tgpo retrieval server", lifespan=lifespan)
 
+    @app.middleware("http")
+    async def body_limit(request: fastapi.Request, call_next):
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > max_body_bytes:
+            return JSONResponse({"detail": f"request body of {size} bytes is over the server's "
+                                 f"limit of {max_body_bytes} (retrieval.http.max_body_bytes)"},
+                                status_code=413)
+        return await call_next(request)
+
     @app.get("/health")
     def health() -> JSONResponse:
         if batcher.running:
@@ -195,6 +207,13 @@ def build_app(
     async def retrieve(request: RetrieveRequest) -> JSONResponse:
         if not request.queries:
             return JSONResponse({"result": []})
+        if len(request.queries) > max_request_queries:
+            return JSONResponse({"detail": f"{len(request.queries)} queries in one request; the "
+                                 f"server takes at most {max_request_queries} "
+                                 "(retrieval.http.max_request_queries)"}, status_code=413)
+        if request.topk is not None and request.topk > max_topk:
+            return JSONResponse({"detail": f"topk {request.topk} is over the server's limit of "
+                                 f"{max_topk} (retrieval.http.max_topk)"}, status_code=422)
         try:
             hits = await asyncio.wrap_future(
                 batcher.submit(request.queries, request.topk or default_topk)
@@ -267,12 +286,14 @@ def serve(
     log_level: str = "info",
     ready_file: str | None = None,
     hold_on_sigterm: bool = False,
+    limits: dict | None = None,
 ) -> None:
     """Serve `retriever` over HTTP until SIGINT/SIGTERM, then return after a graceful shutdown.
 
     Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes); port 0
     takes a free port. Once it listens, `ready_file` (if given) is written atomically with
     {"host", "port", "url", "pid"}: what a job that started the server waits for and reads.
+    `limits`: build_app's max_request_queries, max_topk, max_body_bytes.
     `hold_on_sigterm`: serve through SIGTERM and stop on SIGINT only. A job's own server
     (`sidecar`) needs it: SLURM's time-limit SIGTERM reaches every process of the job, and the
     trainer still searches until its next safe point.
@@ -283,7 +304,8 @@ def serve(
     from a2tgpo.io import atomic_write_json
 
     app = build_app(
-        retriever, default_topk=default_topk, max_batch=max_batch, max_wait_ms=max_wait_ms
+        retriever, default_topk=default_topk, max_batch=max_batch, max_wait_ms=max_wait_ms,
+        **(limits or {}),
     )
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("retrieval server binds %s: reachable from other machines, no auth", host)

@@ -80,7 +80,8 @@ def _serve_in_thread(app):
 def served():
     """One real server for the module: default topk 3, batches of at most 8 queries."""
     fake = FakeRetriever()
-    app = build_app(fake, default_topk=3, max_batch=8, max_wait_ms=20.0)
+    app = build_app(fake, default_topk=3, max_batch=8, max_wait_ms=20.0,
+                    max_request_queries=50, max_topk=10, max_body_bytes=4000)
     server, thread, base = _serve_in_thread(app)
     yield fake, base
     server.should_exit = True
@@ -103,6 +104,18 @@ def base(served, fake):
 
 # --------------------------------------------------------------------------------------------
 # server: wire format
+
+
+def test_request_limits_refuse_before_searching(base, fake):
+    post = lambda body: requests.post(f"{base}/retrieve", json=body, timeout=5)  # noqa: E731
+    r = post({"queries": ["q"] * 51})                      # 51 > max_request_queries 50
+    assert r.status_code == 413 and "max_request_queries" in r.json()["detail"]
+    r = post({"queries": ["q"], "topk": 11})               # 11 > max_topk 10
+    assert r.status_code == 422 and "max_topk" in r.json()["detail"]
+    r = post({"queries": ["x" * 4000]})                    # a body over 4000 bytes
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
+    assert fake.calls == []                                # none reached the retriever
+    assert post({"queries": ["q"] * 50, "topk": 10}).status_code == 200  # at the limits
 
 
 def test_health(base):
