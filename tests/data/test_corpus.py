@@ -141,16 +141,7 @@ class FakeHub:
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    # huggingface_hub reads these at import time; point them at tmp: no real cache, no token.
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
-    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+def hub(hf_home):
     fake = FakeHub()
     fake.thread.start()
     yield fake

@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
-from huggingface_hub import constants
 
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.model.fetch import FETCHED, FetchError, fetch_backbone
@@ -89,16 +88,8 @@ class ModelHub:
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """A tiny Qwen3-architecture model saved in two safetensors shards, as a hub repo."""
-    home = tmp_path / "hf_home"  # no real cache, no token
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
-    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+def hub(tmp_path, hf_home):
+    """A tiny Qwen3-architecture model saved in several safetensors shards, as a hub repo."""
     repo = tmp_path / "repo"
     tiny = ToyBackboneConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
