@@ -198,6 +198,41 @@ def cmd_fetch_backbone(args) -> int:
     return 0
 
 
+def cmd_fetch_model(args) -> int:
+    from a2tgpo.model.fetch import FetchError, fetch_model
+
+    try:
+        fetch_model(args.repo, args.revision, args.out, endpoint=args.endpoint)
+    except FetchError as e:
+        print(f"a2tgpo fetch-model: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_serve_hub(args) -> int:
+    import time
+
+    from a2tgpo.hub import LocalHub, summary
+
+    with LocalHub(args.folder, host=args.host, port=args.port) as hub:
+        print(summary(hub), flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_rehearse(args) -> int:
+    from a2tgpo.rehearsal import rehearse
+
+    if not args.passthrough:
+        raise ConfigError("rehearse: name the command after `--`, e.g. -- snakemake --profile "
+                          "slurm --configfile config/rehearsal.yaml")
+    return rehearse(args.passthrough, hub_dir=args.hub, host=args.host, port=args.port)
+
+
 def cmd_launch(args) -> int:
     from a2tgpo.train.launch import launch
 
@@ -768,6 +803,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fetch_backbone)
 
     p = sub.add_parser(
+        "fetch-model",
+        help="download a hub model repo (e.g. the retrieval encoder) at a revision into a folder",
+        description="fetch-backbone for any model repo: the same files, checks and fetch.json. "
+        "The DAG runs it for a retrieval encoder given by hub id (into results/<study>/models/"
+        "encoder).",
+        formatter_class=fmt,
+    )
+    p.add_argument("repo", help="hub model id, e.g. intfloat/e5-base-v2")
+    p.add_argument("--revision", default=None, help="commit (pins it), branch or tag; "
+                   "default main, resolved to its commit with a warning")
+    p.add_argument("--out", required=True, help="the folder, e.g. results/paper/models/encoder")
+    p.add_argument("--endpoint", default=None,
+                   help="hub endpoint (default: huggingface_hub's, HF_ENDPOINT)")
+    p.set_defaults(func=cmd_fetch_model)
+
+    p = sub.add_parser(
+        "serve-hub",
+        help="serve a local folder of hub-shaped repos as a Hugging Face Hub (HF_ENDPOINT)",
+        description="Serve FOLDER/models/<org>/<name>/ and FOLDER/datasets/<org>/<name>/ with "
+        "the endpoints huggingface_hub downloads from (repo info, file tree, resolve with "
+        "sha256 etags and resumable ranges), each repo at the commit its files hash to; "
+        "until Ctrl-C. Point HF_ENDPOINT at it.",
+        formatter_class=fmt,
+    )
+    p.add_argument("folder", help="e.g. results/rehearsal-hub")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8790, help="port (0: a free one)")
+    p.set_defaults(func=cmd_serve_hub)
+
+    p = sub.add_parser(
+        "rehearse",
+        help="run the rehearsal study's command against its local hub (a2tgpo/rehearsal.py)",
+        description="Build the rehearsal hub's repos (a tiny Qwen3-architecture backbone, an "
+        "encoder, a wiki-18-format corpus with its prebuilt faiss index in parts, FlashRAG-shaped "
+        "data) into --hub unless complete, serve them, run the command after `--` with "
+        "HF_ENDPOINT pointing at them, stop the hub, exit with the command's status. Use: "
+        "a2tgpo rehearse -- snakemake --profile slurm --configfile config/rehearsal.yaml",
+        formatter_class=fmt,
+    )
+    p.add_argument("--hub", default="results/rehearsal-hub", help="the hub's folder")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="bind address; 0.0.0.0 lets compute nodes reach it at this host's name")
+    p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    p.set_defaults(func=cmd_rehearse)
+
+    p = sub.add_parser(
         "launch",
         help="start a training job's ranks on this node (a stop reaches them, nothing kills them)",
         description="Run the command after `--` --nproc times with RANK, LOCAL_RANK, WORLD_SIZE, "
@@ -933,8 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    # rerun ... -- <snakemake arguments>; with-retriever / launch ... -- <command>
-    if argv and {"rerun", "with-retriever", "launch"} & set(argv) and "--" in argv:
+    # rerun ... -- <snakemake arguments>; with-retriever / launch / rehearse ... -- <command>
+    if argv and {"rerun", "with-retriever", "launch", "rehearse"} & set(argv) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)

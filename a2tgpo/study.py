@@ -38,7 +38,7 @@ from a2tgpo.grid import (
     validate_grid,
 )
 from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
-from a2tgpo.model.fetch import is_hub_id
+from a2tgpo.model.fetch import encoder_is_hub_id, is_hub_id
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
@@ -241,11 +241,13 @@ def load_study(path: str | Path, overrides=()) -> StudyConfig:
 
 
 def section(study: StudyConfig, dotted: str) -> Any:
+    """One section as jobs read it (the retrieval section: `job_retrieval`)."""
     node: Any = study
     for part in dotted.split("."):
         if not hasattr(node, "__dataclass_fields__") or part not in node.__dataclass_fields__:
             raise ConfigError(f"no config section {dotted!r}")
-        node = getattr(node, part)
+        node = job_retrieval(study) if node is study and part == "retrieval" else getattr(
+            node, part)
     return node
 
 
@@ -279,6 +281,21 @@ def index_file(study: StudyConfig) -> str:
 def model_dir(study: StudyConfig, backbone_id: str) -> str:
     """Where the DAG fetches a released backbone given by hub id (a2tgpo/model/fetch.py)."""
     return f"{study.root}/models/{backbone_id}"
+
+
+def encoder_dir(study: StudyConfig) -> str:
+    """Where the DAG fetches a retrieval encoder given by hub id (rule fetch_encoder)."""
+    return f"{study.root}/models/encoder"
+
+
+def job_retrieval(study: StudyConfig):
+    """The retrieval section jobs run with: an encoder given by hub id replaced by its fetched
+    folder (jobs run with the hub offline), which is at the pinned revision already."""
+    enc = study.retrieval.encoder
+    if not encoder_is_hub_id(enc.model):
+        return study.retrieval
+    return dataclasses.replace(study.retrieval, encoder=dataclasses.replace(
+        enc, model=encoder_dir(study), revision=None))
 
 
 def policy_dir(study: StudyConfig, backbone_id: str) -> str:
@@ -322,7 +339,7 @@ def resolve_cell(study: StudyConfig, path: str):
         revision=None if is_hub_id(released) else released.revision)
     return cell_config(
         cell, study=study.study, results_root=str(study.root), backbone=backbone,
-        train=study.train, methods_dir=study.methods_dir, retrieval=study.retrieval,
+        train=study.train, methods_dir=study.methods_dir, retrieval=job_retrieval(study),
         tracking=study.tracking, train_file=f"{data_dir(study, cell.data)}/train.parquet",
         dev_file=f"{data_dir(study, cell.data)}/dev.parquet", corpus=corpus_file(study),
         index=index_file(study))

@@ -1,11 +1,13 @@
-"""A released backbone fetched once, on the submitting host, at a pinned revision.
+"""A released model fetched once, on the submitting host, at a pinned revision.
 
     a2tgpo fetch-backbone config/backbones/qwen3-8b.yaml --out results/paper/models/qwen3-8b
+    a2tgpo fetch-model intfloat/e5-base-v2 --out results/paper/models/encoder
 
-The DAG's `fetch_backbone` rule runs this for every backbone whose `path` is a hub id; training
-and evaluation jobs then load `results/<study>/models/<id>` with HF_HUB_OFFLINE=1. So GPU nodes
-need no internet, N jobs never race the hub (or its rate limits), and every job of a study runs
-the same commit.
+The DAG's `fetch_backbone` rule runs this for every backbone whose `path` is a hub id, and its
+`fetch_encoder` rule for a retrieval encoder given by hub id; training, evaluation and index
+jobs then load `results/<study>/models/<id>` (the encoder: `models/encoder`) with
+HF_HUB_OFFLINE=1. So GPU nodes need no internet, N jobs never race the hub (or its rate
+limits), and every job of a study runs the same commit.
 
 What is fetched: `huggingface_hub.snapshot_download` of `path` at `revision` (a commit pins it;
 a branch or tag is resolved to its commit once, here), only the files a model is loaded from
@@ -46,27 +48,35 @@ def is_hub_id(cfg: BackboneConfig) -> bool:
     return not cfg.needs_build and not Path(cfg.path).is_dir()
 
 
+def encoder_is_hub_id(model: str) -> bool:
+    """Whether the DAG fetches this retrieval encoder (`retrieval.encoder.model`): neither the
+    offline MiniLM package nor a local directory."""
+    from a2tgpo.retrieval.encoders import MINILM
+
+    return model != MINILM and not Path(model).is_dir()
+
+
 def fetched(out: str | Path) -> dict | None:
     """The fetch.json of a fetched folder, or None."""
     path = Path(out) / FETCHED
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _check(folder: Path, cfg: BackboneConfig) -> dict[str, int]:
+def _check(folder: Path, repo: str, revision: str | None) -> dict[str, int]:
     """Every file's size; FetchError if the folder cannot be loaded as a model."""
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
              if p.is_file() and ".cache" not in p.relative_to(folder).parts}
     if "config.json" not in files:
-        raise FetchError(f"{cfg.path}: no config.json in the fetched files ({sorted(files)})")
+        raise FetchError(f"{repo}: no config.json in the fetched files ({sorted(files)})")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text())["weight_map"].values())
         missing = sorted(shards - set(files))
         if missing:
-            raise FetchError(f"{cfg.path}: shards listed in model.safetensors.index.json were "
+            raise FetchError(f"{repo}: shards listed in model.safetensors.index.json were "
                              f"not fetched: {missing}")
     elif not any(f.endswith(".safetensors") for f in files):
-        raise FetchError(f"{cfg.path}: no safetensors weights at revision {cfg.revision} "
+        raise FetchError(f"{repo}: no safetensors weights at revision {revision} "
                          "(other formats are not fetched)")
     return files
 
@@ -74,35 +84,44 @@ def _check(folder: Path, cfg: BackboneConfig) -> dict[str, int]:
 def fetch_backbone(cfg: BackboneConfig, out: str | Path, *, endpoint: str | None = None
                    ) -> dict:
     """Fetch `cfg.path` at `cfg.revision` into `out` (module docstring); returns fetch.json."""
+    return fetch_model(cfg.path, cfg.revision, out, name=cfg.id, endpoint=endpoint,
+                       pin_hint="revision: {commit} in the backbone file")
+
+
+def fetch_model(repo: str, revision: str | None, out: str | Path, *, name: str | None = None,
+                endpoint: str | None = None, pin_hint: str = "revision {commit}") -> dict:
+    """Fetch model repo `repo` at `revision` (None = main) into `out` (module docstring);
+    returns fetch.json. `name` labels the log lines, `pin_hint` the advice for an unpinned
+    revision."""
     from huggingface_hub import HfApi, snapshot_download
 
-    out = Path(out)
+    out, name = Path(out), name or repo
     have = fetched(out)
-    if have is not None and have["repo"] == cfg.path and (
-            cfg.revision in (have["commit"], have["revision"])):
-        log.info("%s: already fetched at %s (%s)", cfg.id, have["commit"], out)
+    if have is not None and have["repo"] == repo and (
+            revision in (have["commit"], have["revision"])):
+        log.info("%s: already fetched at %s (%s)", name, have["commit"], out)
         return have
-    revision = cfg.revision or "main"
-    if not _COMMIT.match(revision):
-        commit = HfApi(endpoint=endpoint).model_info(cfg.path, revision=revision).sha
+    wanted = revision or "main"
+    if not _COMMIT.match(wanted):
+        commit = HfApi(endpoint=endpoint).model_info(repo, revision=wanted).sha
         log.warning("%s: revision %r is not a commit: fetched its current commit %s; pin it "
-                    "(revision: %s in the backbone file) so reruns get the same weights",
-                    cfg.id, revision, commit, commit)
+                    "(%s) so reruns get the same weights", name, wanted, commit,
+                    pin_hint.format(commit=commit))
     else:
-        commit = revision
+        commit = wanted
     tmp = out.parent / f".{out.name}.fetching"
     shutil.rmtree(tmp, ignore_errors=True)  # a fetch killed before
-    log.info("%s: fetching %s at %s into %s", cfg.id, cfg.path, commit, out)
-    snapshot_download(cfg.path, revision=commit, local_dir=tmp, allow_patterns=ALLOW,
+    log.info("%s: fetching %s at %s into %s", name, repo, commit, out)
+    snapshot_download(repo, revision=commit, local_dir=tmp, allow_patterns=ALLOW,
                       endpoint=endpoint)
-    files = _check(tmp, cfg)
+    files = _check(tmp, repo, wanted)
     shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
-    record = {"repo": cfg.path, "revision": revision, "commit": commit, "files": files}
+    record = {"repo": repo, "revision": wanted, "commit": commit, "files": files}
     if out.exists():  # an empty folder (Snakemake makes the output's parent) or an old fetch
         shutil.rmtree(out)
     tmp.rename(out)
     atomic_write_json(out / FETCHED, record)
     total = sum(files.values())
-    log.info("%s: %d files, %.2f GB at commit %s -> %s", cfg.id, len(files), total / 1e9,
+    log.info("%s: %d files, %.2f GB at commit %s -> %s", name, len(files), total / 1e9,
              commit, out)
     return record

@@ -273,6 +273,10 @@ def test_paper_plan_fetches_backbones_and_wraps_jobs_dry_run(workdir):
     assert fetches == [f"a2tgpo fetch-backbone config/backbones/{b}.yaml --out "
                        f"results/paper/models/{b} > results/paper/logs/fetch_backbone/{b}.log "
                        "2>&1" for b in sorted(paper["backbones"])]
+    # the e5 encoder too: the index check and every job's retrieval server load it offline
+    assert [cmd for rule, _, _, cmd in jobs_ if rule == "fetch_encoder"] == [
+        ("a2tgpo fetch-model intfloat/e5-base-v2 --out results/paper/models/encoder > "
+         "results/paper/logs/fetch_backbone/encoder.log 2>&1")]
     trains = [cmd for rule, _, _, cmd in jobs_ if rule == "train"]
     assert trains
     for cmd in trains:
@@ -287,6 +291,9 @@ def test_paper_plan_fetches_backbones_and_wraps_jobs_dry_run(workdir):
     cfg = study_lib.resolve_cell(study, cell.path)
     assert cfg.backbone.path == f"results/paper/models/{cell.backbone}"
     assert cfg.backbone.revision is None
+    assert cfg.retrieval.encoder.model == "results/paper/models/encoder"
+    assert study_lib.section(study, "retrieval").encoder.model == "results/paper/models/encoder"
+    assert study_lib.section(study, "retrieval.encoder").model == "results/paper/models/encoder"
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ R = str(STUDY.root)  # results/<study>
 # SLURM, parses this file, so the variables reach all of them; set ones win
 import os
 
-from a2tgpo.model.fetch import is_hub_id
+from a2tgpo.model.fetch import encoder_is_hub_id, is_hub_id
 
 for _var, _path in study_lib.cache_env(STUDY).items():
     os.environ.setdefault(_var, _path)
@@ -113,6 +113,15 @@ def track_tests(track):
 
 def run_dir(cell):
     return f"{R}/runs/{cell}"
+
+
+# a retrieval encoder given by hub id is fetched once (rule fetch_encoder); every job that
+# encodes reads the retrieval section, which then names the fetched folder
+ENCODER_INPUTS = (
+    [f"{study_lib.encoder_dir(STUDY)}/fetch.json"]
+    if encoder_is_hub_id(STUDY.retrieval.encoder.model)
+    else []
+)
 
 
 def policy_inputs(backbone_id):

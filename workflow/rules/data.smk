@@ -4,6 +4,8 @@
 rule resolve_section:
     """One validated config section, defaults filled in: the file a stage command reads.
     Editing that section in config/config.yaml (a params change) reruns only its consumers."""
+    input:
+        lambda wc: ENCODER_INPUTS if wc.section.split(".")[0] == "retrieval" else [],
     output:
         f"{R}/configs/{{section}}.yaml",
     localrule: True

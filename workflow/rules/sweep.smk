@@ -38,6 +38,7 @@ rule sweep_trial:
         data=lambda wc: f"{data_dir(SWEEPS[wc.sweep][1].base.track)}/summary.json",
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(SWEEPS[wc.sweep][1].base.backbone),
+        encoder=ENCODER_INPUTS,
         mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
     output:
         f"{R}/sweeps/{{sweep}}/trials/{{trial}}/result.json",

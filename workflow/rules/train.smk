@@ -40,6 +40,30 @@ rule fetch_backbone:
         "a2tgpo fetch-backbone {params.cfg} --out {params.out} > {log} 2>&1"
 
 
+rule fetch_encoder:
+    """The retrieval encoder (retrieval.encoder.model given by hub id) at its revision, fetched
+    once on the submitting host like the backbones; index, training and evaluation jobs load it
+    from there with the hub offline."""
+    output:
+        f"{R}/models/encoder/fetch.json",
+    log:
+        f"{R}/logs/fetch_backbone/encoder.log",
+    localrule: True
+    params:
+        repo=STUDY.retrieval.encoder.model,
+        revision=(
+            f" --revision {STUDY.retrieval.encoder.revision}"
+            if STUDY.retrieval.encoder.revision
+            else ""
+        ),
+        out=study_lib.encoder_dir(STUDY),
+    shell:
+        "a2tgpo fetch-model {params.repo}{params.revision} --out {params.out} > {log} 2>&1"
+
+
+ruleorder: fetch_encoder > fetch_backbone
+
+
 rule mlflow_experiment:
     """Create the study's MLflow experiment once, before parallel jobs race to create it."""
     output:
@@ -64,6 +88,7 @@ rule train:
         data=lambda wc: f"{data_dir(Cell.parse(wc.cell).data)}/summary.json",
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(Cell.parse(wc.cell).backbone),
+        encoder=ENCODER_INPUTS,
         mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
     output:
         f"{R}/runs/{{cell}}/summary.json",

