@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from a2tgpo.train.distributed import SLURM_PORT_BASE, SLURM_PORT_RANGE, first_slurm_host, free_port
 from a2tgpo.train.preemption import EXIT_PREEMPTED
@@ -64,6 +65,22 @@ def rank_envs(nproc: int, *, nnodes: int = 1, environ: dict[str, str] | None = N
              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
              "MASTER_ADDR": addr, "MASTER_PORT": port}
             for local in range(nproc)]
+
+
+def remove_shm_buffers(addr: str, port: str, shm: str = "/dev/shm") -> list[str]:
+    """Delete the shared-memory all-reduce buffers DeepSpeed's CPU backend made for this
+    rendezvous: `deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 69 MB per rank, which
+    it never unlinks, so every CPU job left them in /dev/shm (RAM): 12 GB after a day of tests
+    here. Only this launch's own (its address and port) are touched. Returns the names."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_"
+    gone = []
+    for path in Path(shm).glob(prefix + "*"):
+        if path.name[len(prefix):].isdigit():
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+    if gone:
+        log.info("removed DeepSpeed's shared-memory buffers %s", gone)
+    return gone
 
 
 def _status(code: int) -> int:
@@ -103,6 +120,7 @@ def launch(command: list[str], nproc: int, *, nnodes: int = 1, fail_grace_s: flo
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        remove_shm_buffers(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
     codes = [_status(p.returncode) for p in procs]
     if failed is None:
         bad = [(r, c) for r, c in enumerate(codes) if c not in (0, EXIT_PREEMPTED)]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from a2tgpo.train.launch import rank_envs
+from a2tgpo.train.launch import rank_envs, remove_shm_buffers
 from a2tgpo.train.preemption import EXIT_PREEMPTED
 
 # each rank: a gloo all-reduce of its rank (the rendezvous works), then per MODE
@@ -28,6 +28,12 @@ RANK = textwrap.dedent("""
         f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {x.item()} "
         f"{os.environ['OMP_NUM_THREADS']}")
     if mode == "done":
+        # what DeepSpeed's CPU all-reduce leaves behind: one shared-memory buffer per rank,
+        # named by uid, rendezvous address and port, and rank
+        name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+                f"{os.environ['MASTER_PORT']}_{rank}")
+        open(f"/dev/shm/{name}", "wb").write(b"x")
+        open(f"{out}/rank{rank}.shm", "w").write(name)
         sys.exit(0)
     if mode == "fail" and rank == 1:
         sys.exit(3)
@@ -63,6 +69,19 @@ def _wait_for(paths, proc, timeout=120):
         time.sleep(0.05)
 
 
+def test_remove_shm_buffers_touches_only_its_own_rendezvous(tmp_path):
+    uid = os.getuid()
+    own = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_29500_{r}" for r in (0, 1)]
+    other = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_29501_0",   # another job's port
+             f"deepspeed_allreduce_buffer_{uid}_127.0.0.2_29500_0",   # another address
+             f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_29500_0x",  # not a rank suffix
+             f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_29500_0"]  # another user's
+    for name in own + other:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_shm_buffers("127.0.0.1", "29500", shm=str(tmp_path))) == own
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(other)
+
+
 def test_ranks_get_their_rendezvous(tmp_path):
     proc = _launch(tmp_path, "done")
     out, _ = proc.communicate(timeout=120)
@@ -71,6 +90,9 @@ def test_ranks_get_their_rendezvous(tmp_path):
     # job's 5 threads
     assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0 2",
                                                                           "1 2 1.0 2"]
+    # the ranks' shared-memory buffers are gone once the launcher is done
+    names = [(tmp_path / f"rank{r}.shm").read_text() for r in (0, 1)]
+    assert [n for n in names if os.path.exists(f"/dev/shm/{n}")] == []
 
 
 def test_sigterm_reaches_every_rank_which_then_saves_and_exits_75(tmp_path):
