@@ -103,6 +103,7 @@ class LocalHub:
                  public_host: str | None = None) -> None:
         self.root = Path(root)
         self.repos = scan(self.root)
+        self.request_count = 0
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -148,6 +149,7 @@ class LocalHub:
 
     def _handle(self, req: BaseHTTPRequestHandler, *, body: bool) -> None:
         path = unquote(urlparse(req.path).path)
+        self.request_count += 1
         if m := _INFO.match(path):
             repo = self._repo(m["kind"], m["repo"], m["rev"])
             if isinstance(repo, str):

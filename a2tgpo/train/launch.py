@@ -4,8 +4,8 @@
 
 starts COMMAND `nproc` times with the variables torch.distributed and DeepSpeed read (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE / LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), and the job's
-OMP_NUM_THREADS split between them (the train rule sets it to the job's CPUs, `train.threads`),
-waits for all of them, and exits with:
+thread counts (OMP_NUM_THREADS, which the train rule sets to the job's CPUs, `train.threads`,
+and the BLAS ones) split between them, waits for all of them, and exits with:
 
   - the first failing rank's status, after stopping the others (a rank that dies leaves the
     rest waiting in a collective forever): SIGTERM, then SIGKILL after `fail_grace_s`;
@@ -38,6 +38,10 @@ from a2tgpo.train.preemption import EXIT_PREEMPTED
 log = logging.getLogger(__name__)
 
 PASSED_ON = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# thread counts of the job a rank gets its share of (Snakemake sets all but the first to the
+# rule's threads too); MKL's left at the job's count oversubscribed each rank's vLLM engine
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+               "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
 def rank_envs(nproc: int, *, nnodes: int = 1, environ: dict[str, str] | None = None
@@ -56,11 +60,10 @@ def rank_envs(nproc: int, *, nnodes: int = 1, environ: dict[str, str] | None = N
         node, addr = 0, env.get("MASTER_ADDR", "127.0.0.1")
         port = env.get("MASTER_PORT") or str(free_port())
     world = nproc * nnodes
-    # the job's CPU threads (OMP_NUM_THREADS = the rule's threads) shared by its ranks, instead
-    # of every rank starting that many
-    threads = env.get("OMP_NUM_THREADS", "")
-    per_rank = ({"OMP_NUM_THREADS": str(max(1, int(threads) // nproc))} if threads.isdigit()
-                else {})
+    # the job's CPU threads (the rule's threads: OMP_NUM_THREADS, and the BLAS variables
+    # Snakemake sets for every job) shared by its ranks, instead of every rank starting that many
+    per_rank = {var: str(max(1, int(env[var]) // nproc)) for var in THREAD_VARS
+                if env.get(var, "").isdigit()}
     return [{**env, **per_rank, "RANK": str(node * nproc + local), "LOCAL_RANK": str(local),
              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
              "MASTER_ADDR": addr, "MASTER_PORT": port}

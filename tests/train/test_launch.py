@@ -26,7 +26,7 @@ RANK = textwrap.dedent("""
     dist.all_reduce(x)
     open(f"{out}/rank{rank}.env", "w").write(
         f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {x.item()} "
-        f"{os.environ['OMP_NUM_THREADS']}")
+        f"{os.environ['OMP_NUM_THREADS']} {os.environ['MKL_NUM_THREADS']}")
     if mode == "done":
         # what DeepSpeed's CPU all-reduce leaves behind: one shared-memory buffer per rank,
         # named by uid, rendezvous address and port, and rank
@@ -54,7 +54,8 @@ def _launch(tmp_path, mode, nproc=2):
     script.write_text(RANK)
     cmd = [sys.executable, "-m", "a2tgpo.cli", "launch", "--nproc", str(nproc), "--",
            sys.executable, str(script), str(tmp_path), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "5"}  # the job's threads: 2 for each of 2 ranks
+    # the job's threads (the rule's, as Snakemake sets them): 2 and 3 for each of 2 ranks
+    env = {**os.environ, "OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "6"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -87,9 +88,9 @@ def test_ranks_get_their_rendezvous(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     # local rank, world size, the all-reduce of ranks 0 + 1, and each rank's share of the
-    # job's 5 threads
-    assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0 2",
-                                                                          "1 2 1.0 2"]
+    # job's 5 OMP threads (5 // 2) and 6 MKL threads (6 // 2)
+    assert [(tmp_path / f"rank{r}.env").read_text() for r in (0, 1)] == ["0 2 1.0 2 3",
+                                                                          "1 2 1.0 2 3"]
     # the ranks' shared-memory buffers are gone once the launcher is done
     names = [(tmp_path / f"rank{r}.shm").read_text() for r in (0, 1)]
     assert [n for n in names if os.path.exists(f"/dev/shm/{n}")] == []

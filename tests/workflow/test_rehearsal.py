@@ -80,7 +80,8 @@ def test_rehearsal_on_slurm_with_a_preempted_training_job(cluster, workdir, tmp_
     py = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"  # torch's default subfolder
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions" / py))
     target = workdir / CELLS[PREEMPT]
-    comment = f"data~{PREEMPT[0]}/method~{PREEMPT[1]}/"
+    # the plugin writes the wildcards into the job comment with "/" as "_"
+    comment = f"data~{PREEMPT[0]}_method~{PREEMPT[1]}_"
     state = {}
 
     def intervene(table):

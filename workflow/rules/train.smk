@@ -56,7 +56,7 @@ rule fetch_encoder:
             if STUDY.retrieval.encoder.revision
             else ""
         ),
-        out=study_lib.encoder_dir(STUDY),
+        out=lambda wc: study_lib.encoder_dir(STUDY),
     shell:
         "a2tgpo fetch-model {params.repo}{params.revision} --out {params.out} > {log} 2>&1"
 
