@@ -192,6 +192,16 @@ def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "0.0.0.0",
     """Steps 1-3 of the module docstring; returns COMMAND's exit status."""
     from a2tgpo.hub import LocalHub, summary
 
+    if not (Path(hub_dir) / BUILT).is_file():
+        # in a child process: the build's torch and models are not kept for the whole run
+        import multiprocessing
+
+        child = multiprocessing.get_context("spawn").Process(target=ensure_hub, args=(hub_dir,))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"building the rehearsal hub in {hub_dir} failed (exit "
+                               f"{child.exitcode}); its output is above")
     record = ensure_hub(hub_dir)
     public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
     with LocalHub(hub_dir, host=host, port=port, public_host=public) as hub:
