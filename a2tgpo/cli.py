@@ -393,7 +393,7 @@ def cmd_plan(args) -> int:
     import dataclasses
 
     from a2tgpo.io import atomic_write_json
-    from a2tgpo.plan import GIB, Assumptions, index_note, plan_study, print_plan
+    from a2tgpo.plan import GIB, Assumptions, index_note, plan_evals, plan_study, print_plan
     from a2tgpo.study import load_study
 
     study = load_study(args.config, args.overrides)
@@ -406,7 +406,8 @@ def cmd_plan(args) -> int:
                             if k in {f.name for f in dataclasses.fields(Assumptions)}
                             and v is not None})
     plans = plan_study(study, sets, assume)
-    print_plan(plans, assume)
+    evals = plan_evals(study, sets)
+    print_plan(plans, assume, evals=evals)
     print(index_note(study))
     if args.json:
         atomic_write_json(args.json, {
@@ -416,8 +417,14 @@ def cmd_plan(args) -> int:
                        "largest_term": p.largest.name, "tokens_per_step": p.tokens_per_step,
                        "gpu_hours": p.gpu_hours, "disk_gib": p.disk_bytes / GIB,
                        "phases": {ph: {t.name: t.bytes / GIB for t in ts}
-                                  for ph, ts in p.phases.items()}} for p in plans]})
-    return 0 if all(p.fits for p in plans) else 1
+                                  for ph, ts in p.phases.items()},
+                       "host_gib": {t.name: t.bytes / GIB for t in p.host},
+                       "mem_request_gib": p.mem_request / GIB} for p in plans],
+            "evaluation": [{"backbone": e.backbone, "fits": e.fits, "gpus": e.gpus,
+                            "gpu_gib": {t.name: t.bytes / GIB for t in e.gpu},
+                            "host_gib": {t.name: t.bytes / GIB for t in e.host},
+                            "mem_request_gib": e.mem_request / GIB} for e in evals]})
+    return 0 if all(p.fits for p in plans) and all(e.fits for e in evals) else 1
 
 
 def cmd_check_config(args) -> int:

@@ -105,7 +105,9 @@ class TrainSection(TrainSettings):
     spare_retries: int = option(
         2, "Retries of a training job beyond the jobs its run length needs at runtime_min "
         "(preemptions, node failures; a preempted job resumes from its checkpoint).")
-    mem_mb: int = option(8000, "Memory request of a training job (MB).")
+    mem_mb: int | None = option(
+        8000, "Memory request of a training job (MB), checked against the job's host memory "
+        "plan (`a2tgpo plan`); null = that plan x 1.25.")
     gpu_memory_gb: float = option(
         80.0, "Memory of one GPU of the training nodes, GiB (nvidia-smi's total / 1024): what "
         "`a2tgpo plan` and the DAG check each cell's per-rank plan against.")

@@ -23,7 +23,7 @@ key/value (kv heads x head_dim) and MLP widths, V = vocabulary, c = log-prob chu
   weights P·b; optimizer (DeepSpeed ZeRO-1/2, fp32 master weights + Adam moments) 12·P/W,
   (one process, torch AdamW moments in the weights' dtype) 2·P·b; gradients ZeRO-2 P·b/W,
   ZeRO-1 P·b, one process P·b, plus the fp32 gradient partition of the step 4·P/W (DeepSpeed);
-  ZeRO buckets 2 x 5e8 x b (DeepSpeed's default reduce and all-gather bucket sizes);
+  ZeRO buckets 2 x min(5e8, P) x b (DeepSpeed's default reduce and all-gather bucket sizes);
   reference copy P·b, zero3 P·b/W + the largest tensor gathered, zero3_offload that tensor.
   Activations saved per token and layer (HF Qwen2/Qwen3 decoder layers, sdpa attention
   without an L x L score matrix): two RMSNorms 4h, the attention's q-sized tensors 7q (q, its
@@ -40,6 +40,15 @@ key/value (kv heads x head_dim) and MLP widths, V = vocabulary, c = log-prob chu
 Validated on CPU by bench/plan_memory.py: for scaled Qwen3 models (42-45M parameters, 4k
 tokens) the pass terms are 0.78-0.96 of the measured peaks. The constants that are estimates,
 not derivations, are named below with their reasoning.
+
+Host memory of a job (its `mem_mb` request; train.mem_mb / eval.mem_mb null = this plan x
+HOST_HEADROOM): every process's runtime (PROCESS_HOST_BYTES: trainer, vLLM engine, the job's
+retrieval server), on GPU jobs the policy weights passing through host memory per rank (loaded
+there before moving to the GPU; the asleep engine's weights offloaded there), on CPU jobs the
+device plan itself, and the job's own retrieval server (retrieval.http.serve: job): faiss reads
+the whole index file into RAM, then on a GPU job (retrieval.index.gpu on/auto, faiss-gpu) shards
+its vectors in fp16 over the job's GPUs, a term of every phase of every GPU. Evaluation jobs get
+the same two checks (`EvalPlan`): their engine's share of the GPU plus the server's shard.
 
 Tokens, time and disk: tokens per step from an assumed mean trajectory length, GPU-hours from
 stated throughput assumptions (`Assumptions`), and checkpoint disk from the schedule (HF
@@ -70,6 +79,17 @@ ENGINE_ASLEEP_BYTES = 1.0 * GIB
 # vLLM's CPU KV cache when neither VLLM_CPU_KVCACHE_SPACE nor engine_kv_cache_gb is set
 VLLM_CPU_KV_BYTES = 4.0 * GIB
 REFUSAL_LINES = 12  # cells named in the DAG's refusal (the plan lists them all)
+# estimate: host RAM of one process of a job beyond the tensors the plan counts. CPU: the
+# imports (measured: 0.24 GiB with torch and transformers, 0.42 GiB with vLLM) and working
+# buffers; GPU: the CUDA runtime and its libraries (cuBLAS, NCCL), pinned staging buffers
+PROCESS_HOST_BYTES = {False: 1.0 * GIB, True: 3.0 * GIB}
+# estimate: a retrieval server's share of each GPU it shards the index over, besides the
+# vectors: faiss-gpu's temporary memory (1.5 GiB by default) and the server's CUDA context
+FAISS_GPU_EXTRA_BYTES = 2.0 * GIB
+# a derived memory request (mem_mb null): the planned host memory x this, for what the plan
+# does not see (allocator fragmentation, page cache the cgroup charges)
+HOST_HEADROOM = 1.25
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -308,8 +328,10 @@ def update_terms(sizes: ModelSizes, T: int, longest: int, b: int, *, checkpointi
 
 
 def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity: float,
-                  index_bytes: float = 0.0) -> dict[str, list[Term]]:
-    """Per-rank memory terms of each phase of a step of the cell `cfg` (a TrainConfig)."""
+                  index_bytes: float = 0.0, server_gpu: tuple[Term, ...] = ()
+                  ) -> dict[str, list[Term]]:
+    """Per-rank memory terms of each phase of a step of the cell `cfg` (a TrainConfig);
+    `server_gpu`: what the job's retrieval server holds on each GPU, all job long."""
     P, k, n_layers = sizes.params, sizes.k, sizes.arch.num_hidden_layers
     b = _dtype_bytes(cfg, on_gpu)
     ds = cfg.backend == "deepspeed"
@@ -322,8 +344,9 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     if ds:
         resident.append(Term("optimizer shard", 12 * P / W,
                              f"ZeRO-{cfg.zero_stage}: fp32 master + Adam m, v = 12 B x P / {W}"))
-        resident.append(Term("ZeRO buckets", 2 * ZERO_BUCKET_ELEMENTS * b,
-                             "reduce + all-gather buckets, 5e8 elements each"))
+        # a bucket never holds more than the model's gradients or weights
+        resident.append(Term("ZeRO buckets", 2 * min(ZERO_BUCKET_ELEMENTS, P) * b,
+                             "reduce + all-gather buckets, min(5e8, P) elements each"))
     else:
         resident.append(Term("optimizer", 2 * P * b,
                              f"AdamW m, v in the weights' dtype, 2 x {b} B"))
@@ -338,6 +361,7 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     if on_gpu:
         resident.append(Term("CUDA context + allocator", CUDA_OVERHEAD_BYTES,
                              "estimate: two processes' contexts and fragmentation"))
+        resident.extend(server_gpu)
 
     vllm = cfg.engine == "vllm"
     if vllm and on_gpu:
@@ -396,6 +420,8 @@ class CellPlan:
     params: int
     steps: int = 0  # RL steps of the cell (0: ReAct, nothing trained)
     step_s: float | None = None  # estimated wall time of one step (GPU cells)
+    host: list[Term] = dataclasses.field(default_factory=list)  # the job's host memory
+    mem_request: float = math.inf  # bytes: the job's mem_mb (given, or derived from `host`)
 
     def total(self, phase: str) -> float:
         scale = 1 if self.on_gpu else self.world  # a CPU job's ranks share its memory
@@ -410,8 +436,12 @@ class CellPlan:
         return self.total(self.peak_phase)
 
     @property
+    def host_need(self) -> float:
+        return sum(t.bytes for t in self.host)
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.capacity
+        return self.peak <= self.capacity and self.host_need <= self.mem_request
 
     @property
     def largest(self) -> Term:
@@ -451,20 +481,112 @@ def disk_bytes(cfg, sizes: ModelSizes, on_gpu: bool) -> float:
     return kept * weights + state
 
 
-def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: float,
-              assume: Assumptions = Assumptions(), index_bytes: float = 0.0) -> CellPlan:
-    phases = memory_phases(cfg, sizes, world=world, on_gpu=on_gpu, capacity=capacity,
-                           index_bytes=index_bytes)
+@dataclass(frozen=True)
+class ServerMemory:
+    """What a job's own retrieval server (retrieval.http.serve: job) holds."""
+
+    gpu: tuple[Term, ...]  # on each GPU of the job
+    host: tuple[Term, ...]  # in the job's host memory
+
+
+def index_size(study) -> tuple[float, str]:
+    """(bytes, how known) of the dense index file: its size on disk, else the download's
+    expected_bytes, else corpus rows x the encoder's width x 4 B (a Flat index's vectors);
+    (0, why) when none is known yet."""
+    from a2tgpo.study import encoder_dir, index_file
+
+    path = Path(index_file(study))
+    if path.is_file():
+        return float(path.stat().st_size), f"{path} on disk"
+    dl = study.corpus.download
+    if study.corpus.source == "hub" and dl.index.enabled and dl.index.expected_bytes:
+        return float(dl.index.expected_bytes), "corpus.download.index.expected_bytes"
+    rows = dl.expected_lines if study.corpus.source == "hub" else None
+    width, source = study.retrieval.index.dim, "retrieval.index.dim"
+    for folder in (study.retrieval.encoder.model, encoder_dir(study)):
+        config = Path(folder) / "config.json"
+        if width is None and config.is_file():
+            width, source = json.loads(config.read_text())["hidden_size"], str(config)
+    if rows and width and study.retrieval.index.factory == "Flat":
+        return float(rows * width * 4), f"{rows:,} rows x {width} ({source}) x 4 B"
+    return 0.0, "index not on disk yet: not counted (rerun `a2tgpo plan` once it is)"
+
+
+def server_memory(study, *, gpus: int, on_gpu: bool) -> ServerMemory:
+    """The job's own retrieval server: faiss reads the whole index into host memory (kept
+    there on CPU); on a GPU job with retrieval.index.gpu on or auto it is then sharded over the
+    job's `gpus` GPUs, a Flat index's vectors in fp16 (retrieval/index.py load_index)."""
+    r = study.retrieval
+    if r.mode != "http" or r.http.serve != "job" or r.retriever != "dense":
+        return ServerMemory((), ())
+    size, how = index_size(study)
+    host = (Term("retrieval server: index", size, how),
+            Term("retrieval server: process", PROCESS_HOST_BYTES[on_gpu], "estimate"))
+    if not (on_gpu and gpus > 0 and r.index.gpu != "off"):
+        return ServerMemory((), host)
+    half = 2 if r.index.factory == "Flat" else 1
+    gpu = (Term("retrieval server: index shard", size / half / gpus,
+                f"{how}{' / 2 (fp16)' if half == 2 else ''} / {gpus} GPUs"),
+           Term("retrieval server: faiss scratch + context", FAISS_GPU_EXTRA_BYTES,
+                "estimate: faiss-gpu temporary memory, a CUDA context"))
+    return ServerMemory(gpu, host)
+
+
+def mem_request(mem_mb: int | None, need: float) -> float:
+    """A job's memory request in bytes: mem_mb as given, or (null) the planned host memory
+    `need` x HOST_HEADROOM, rounded up to whole MB."""
+    if mem_mb is not None:
+        return mem_mb * MIB
+    return math.ceil(need * HOST_HEADROOM / MIB) * MIB
+
+
+def train_host_terms(cfg, sizes: ModelSizes, phases_peak: float, *, on_gpu: bool,
+                     ranks: int, nodes: int, server: ServerMemory) -> list[Term]:
+    """Host memory of one node of a training job with `ranks` ranks (all of a CPU job's
+    device plan, `phases_peak`, is host memory)."""
+    b = _dtype_bytes(cfg, on_gpu)
+    vllm = cfg.engine == "vllm"
+    procs = ranks * (2 if vllm else 1)
+    terms = [Term("processes", procs * PROCESS_HOST_BYTES[on_gpu],
+                  f"estimate: {procs} processes (a trainer{' and a vLLM engine' if vllm else ''}"
+                  f" per rank) x {PROCESS_HOST_BYTES[on_gpu] / GIB:.0f} GiB")]
+    if not on_gpu:
+        terms.append(Term("ranks' tensors", phases_peak, "the peak phase of the device plan"))
+    else:
+        terms.append(Term("policy weights", ranks * sizes.params * b,
+                          f"{ranks} ranks x P x {b} B: loaded here, later the asleep engine's "
+                          "offloaded copy"))
+        if cfg.method.loss.kl_coef > 0 and cfg.reference == "zero3_offload":
+            terms.append(Term("reference partitions", sizes.params * b / nodes,
+                              f"ZeRO-3 offload: P x {b} B / {nodes} nodes"))
+    return terms + list(server.host)
+
+
+def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: float | None,
+              assume: Assumptions = Assumptions(), index_bytes: float = 0.0,
+              server: ServerMemory = ServerMemory((), ()), ranks: int | None = None,
+              nodes: int = 1, mem_mb: int | None = None) -> CellPlan:
+    """`capacity`: per GPU (GPU cells); None on CPU cells: the job's memory request, mem_mb
+    or derived from the plan."""
+    phases = memory_phases(cfg, sizes, world=world, on_gpu=on_gpu, capacity=capacity or 0.0,
+                           index_bytes=index_bytes, server_gpu=server.gpu)
     sched = cfg.schedule
     steps = sched.steps if cfg.method.train else 0
     step_s = step_seconds(cfg, sizes, world, assume) if on_gpu else None
     hours = steps * step_s * world / 3600 if step_s is not None else None
-    return CellPlan(cell=cfg.cell, on_gpu=on_gpu, world=world, capacity=capacity,
+    plan = CellPlan(cell=cfg.cell, on_gpu=on_gpu, world=world, capacity=capacity or 0.0,
                     phases=phases,
                     tokens_per_step=sched.prompts_per_step * cfg.method.rollout.n
                     * assume.mean_tokens,
                     gpu_hours=hours, disk_bytes=disk_bytes(cfg, sizes, on_gpu),
                     params=sizes.params, steps=steps, step_s=step_s)
+    plan.host = train_host_terms(cfg, sizes, plan.peak, on_gpu=on_gpu,
+                                 ranks=world if ranks is None else ranks, nodes=nodes,
+                                 server=server)
+    plan.mem_request = mem_request(mem_mb, plan.host_need)
+    if not on_gpu:
+        plan.capacity = plan.mem_request
+    return plan
 
 
 def _index_bytes(study, on_gpu: bool) -> float:
@@ -480,20 +602,30 @@ def _index_bytes(study, on_gpu: bool) -> float:
 
 
 def index_note(study) -> str:
-    """Where the retrieval index sits, and its size when it is on disk."""
+    """Where the retrieval index sits, and its size when it is known."""
     from a2tgpo.study import index_file
 
     r = study.retrieval
     if r.retriever != "dense":
         return f"retrieval: {r.retriever} in the rollout process (no dense index)"
     path = Path(index_file(study))
-    size = (f"{path.stat().st_size / GIB:.1f} GiB" if path.is_file()
-            else "not built or downloaded yet")
+    size, how = index_size(study)
+    size = f"{size / GIB:.1f} GiB, {how}" if size else how
+    if r.mode == "http" and r.http.serve == "job":
+        return (f"retrieval index {path} ({size}): on each job's own retrieval server "
+                f"(retrieval.http.serve job), in the job's host memory"
+                + ("" if r.index.gpu == "off" else
+                   f" while loading, then sharded over the job's GPUs (index.gpu {r.index.gpu})")
+                + "; counted in the job's plan")
     if r.mode == "http":
         return (f"retrieval index {path} ({size}): on the retrieval server (retrieval.mode "
                 "http), not on the training GPUs")
     return (f"retrieval index {path} ({size}): in every rollout process, on the GPU when "
             f"retrieval.index.gpu allows ({r.index.gpu}); counted in the rollout phase")
+
+
+def _on_gpu(study, backbone_id: str) -> bool:
+    return study.train.device != "cpu" and not study.backbone(backbone_id).needs_build
 
 
 def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assumptions()
@@ -509,32 +641,136 @@ def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assum
     plans = []
     for cell in cells:
         cfg = resolve_cell(study, cell.path)
-        backbone = study.backbone(cell.backbone)
-        on_gpu = train.device != "cpu" and not backbone.needs_build
+        on_gpu = _on_gpu(study, cell.backbone)
         if cell.backbone not in sizes:
             sizes[cell.backbone] = model_sizes(cfg.backbone, study.toy_backbone)
-        world = train.nproc * train.nodes if cfg.backend == "deepspeed" else 1
-        capacity = train.gpu_memory_gb * GIB if on_gpu else train.mem_mb * 2**20
-        plans.append(plan_cell(cfg, sizes[cell.backbone], on_gpu=on_gpu, world=world,
-                               capacity=capacity, assume=assume,
-                               index_bytes=_index_bytes(study, on_gpu)))
+        ds = cfg.backend == "deepspeed"
+        world = train.nproc * train.nodes if ds else 1
+        ranks = train.nproc if ds else 1  # per node: what one node's memory holds
+        plans.append(plan_cell(
+            cfg, sizes[cell.backbone], on_gpu=on_gpu, world=world,
+            capacity=train.gpu_memory_gb * GIB if on_gpu else None, assume=assume,
+            index_bytes=_index_bytes(study, on_gpu),
+            server=server_memory(study, gpus=train.nproc, on_gpu=on_gpu), ranks=ranks,
+            nodes=train.nodes if ds else 1, mem_mb=train.mem_mb))
     return plans
 
 
-def refusal(plans: list[CellPlan]) -> str | None:
-    """The error naming every cell that does not fit and its largest term; None if all fit."""
+@dataclass
+class EvalPlan:
+    """An evaluation job of one backbone's cells: one engine on `gpus` GPUs (or the CPU) and
+    the job's retrieval server."""
+
+    backbone: str
+    on_gpu: bool
+    gpus: int
+    capacity: float  # bytes per GPU (0 on CPU)
+    gpu: list[Term]  # on each GPU
+    host: list[Term]
+    mem_request: float
+
+    @property
+    def gpu_need(self) -> float:
+        return sum(t.bytes for t in self.gpu)
+
+    @property
+    def host_need(self) -> float:
+        return sum(t.bytes for t in self.host)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_need <= self.capacity and self.host_need <= self.mem_request
+
+
+def plan_evals(study, sets: list[str] | None = None) -> list[EvalPlan]:
+    """The evaluation job of each backbone of the grid sets (all by default): on GPU the
+    engine's share of each GPU (eval.engine_memory_share; hf: the weights and the KV cache of
+    a batch) and the server's shard; in host memory the processes, the policy weights (and
+    on CPU the engine), and the server."""
+    from a2tgpo.study import resolve_cell, study_cells
+
+    ev, train = study.eval, study.train
+    first = {}
+    for name, cs in study_cells(study).items():
+        for c in cs:
+            if sets is None or name in sets:
+                first.setdefault(c.backbone, c)
+    out = []
+    for backbone, cell in first.items():
+        cfg = resolve_cell(study, cell.path)
+        sizes = model_sizes(cfg.backbone, study.toy_backbone)
+        on_gpu = _on_gpu(study, backbone) and ev.gpus > 0
+        b = _dtype_bytes(cfg, on_gpu)
+        P, a = sizes.params, sizes.arch
+        weights = Term("policy weights", P * b, f"P x {b} B")
+        vllm = cfg.engine == "vllm"
+        server = server_memory(study, gpus=ev.gpus if on_gpu else 0, on_gpu=on_gpu)
+        capacity = train.gpu_memory_gb * GIB if on_gpu else 0.0
+        rows = ev.max_batch or 32
+        kv = Term("hf engine KV cache",
+                  rows * cfg.backbone.max_model_len * 2 * a.num_hidden_layers * sizes.k * b,
+                  f"{rows} rows x {cfg.backbone.max_model_len} tokens x 2 x layers x k x {b} B")
+        if vllm and on_gpu:
+            engine = [Term("vLLM engine", ev.engine_memory_share * capacity,
+                           f"eval.engine_memory_share {ev.engine_memory_share} of "
+                           f"{capacity / GIB:.0f} GiB (weights, KV cache)")]
+        elif vllm:
+            cache = (cfg.engine_kv_cache_gb or VLLM_CPU_KV_BYTES / GIB) * GIB
+            engine = [weights, Term("vLLM engine KV cache (CPU)", cache, "engine_kv_cache_gb")]
+        else:
+            engine = [weights, kv]
+        gpu = (engine + [Term("CUDA context", CUDA_OVERHEAD_BYTES / 2, "estimate")]
+               + list(server.gpu)) if on_gpu else []
+        procs = 2 if vllm else 1
+        host = [Term("processes", procs * PROCESS_HOST_BYTES[on_gpu],
+                     f"estimate: {procs} x {PROCESS_HOST_BYTES[on_gpu] / GIB:.0f} GiB")]
+        host += [weights] if on_gpu else engine
+        host += list(server.host)
+        need = sum(t.bytes for t in host)
+        out.append(EvalPlan(backbone, on_gpu, ev.gpus if on_gpu else 0, capacity, gpu, host,
+                            mem_request(ev.mem_mb, need)))
+    return out
+
+
+def _host_line(what: str, need: float, request: float, terms: list[Term], key: str) -> str:
+    t = max(terms, key=lambda t: t.bytes)
+    return (f"  {what}: needs {need / GIB:.1f} GiB of host memory, {key} requests "
+            f"{request / GIB:.1f}; largest term: {t.name} {t.bytes / GIB:.1f} GiB ({t.how}); "
+            f"raise {key} or set it to null (derived from the plan)")
+
+
+def refusal(plans: list[CellPlan], evals: list[EvalPlan] = ()) -> str | None:
+    """The error naming every cell (and evaluation job) that does not fit and its largest
+    term; None if all fit."""
     bad = [p for p in plans if not p.fits]
-    if not bad:
+    bad_evals = [e for e in evals if not e.fits]
+    if not bad and not bad_evals:
         return None
-    lines = [f"{len(bad)} of {len(plans)} cells do not fit (see `a2tgpo plan CONFIG`):"]
+    lines = []
+    if bad:
+        lines.append(f"{len(bad)} of {len(plans)} cells do not fit (see `a2tgpo plan CONFIG`):")
     for p in bad[:REFUSAL_LINES]:
-        t = p.largest
-        where = "per GPU (train.gpu_memory_gb)" if p.on_gpu else "per job (train.mem_mb)"
-        lines.append(f"  cell {p.cell}: the {p.peak_phase} phase needs {p.peak / GIB:.1f} GiB "
-                     f"{where} of {p.capacity / GIB:.1f}; largest term: {t.name} "
-                     f"{t.bytes / GIB:.1f} GiB ({t.how})")
+        if p.peak > p.capacity:
+            t = p.largest
+            where = "per GPU (train.gpu_memory_gb)" if p.on_gpu else "per job (train.mem_mb)"
+            lines.append(f"  cell {p.cell}: the {p.peak_phase} phase needs "
+                         f"{p.peak / GIB:.1f} GiB {where} of {p.capacity / GIB:.1f}; largest "
+                         f"term: {t.name} {t.bytes / GIB:.1f} GiB ({t.how})")
+        else:
+            lines.append(_host_line(f"cell {p.cell}", p.host_need, p.mem_request, p.host,
+                                    "train.mem_mb"))
     if len(bad) > REFUSAL_LINES:
         lines.append(f"  ... and {len(bad) - REFUSAL_LINES} more")
+    for e in bad_evals:
+        what = f"evaluation jobs of backbone {e.backbone}"
+        if e.gpu_need > e.capacity:
+            t = max(e.gpu, key=lambda t: t.bytes)
+            lines.append(f"  {what}: need {e.gpu_need / GIB:.1f} GiB per GPU "
+                         f"(train.gpu_memory_gb {e.capacity / GIB:.1f}); largest term: "
+                         f"{t.name} {t.bytes / GIB:.1f} GiB ({t.how}); lower "
+                         "eval.engine_memory_share or give eval.gpus more GPUs")
+        else:
+            lines.append(_host_line(what, e.host_need, e.mem_request, e.host, "eval.mem_mb"))
     return "\n".join(lines)
 
 
@@ -546,9 +782,31 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
-def print_plan(plans: list[CellPlan], assume: Assumptions, console=None) -> None:
-    """Per distinct memory plan, the terms of each phase; then one line per cell; then the
-    totals and the assumptions."""
+def _terms_table(title: str, terms: list[Term], limit: float, limit_name: str,
+                 caption: str = ""):
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption or None)
+    table.add_column("term")
+    table.add_column("GiB", justify="right")
+    table.add_column("how")
+    for t in terms:
+        table.add_row(t.name, _gib(t.bytes), t.how)
+    table.add_row("[b]total[/b]", f"[b]{_gib(sum(t.bytes for t in terms))}[/b]", "")
+    table.add_row("limit", _gib(limit), limit_name)
+    return table
+
+
+def _host_table(title: str, terms: list[Term], request: float, caption: str = ""):
+    return _terms_table(title, terms, request,
+                        f"the job's mem_mb request (null: the total x {HOST_HEADROOM:g})",
+                        caption)
+
+
+def print_plan(plans: list[CellPlan], assume: Assumptions, console=None,
+               evals: list[EvalPlan] = ()) -> None:
+    """Per distinct memory plan, the terms of each phase and of the job's host memory; then one
+    line per cell; the evaluation jobs; then the totals and the assumptions."""
     import sys
 
     from rich.console import Console
@@ -577,6 +835,8 @@ def print_plan(plans: list[CellPlan], assume: Assumptions, console=None) -> None
             table.add_row(phase, "[b]total[/b]", f"[b]{_gib(p.total(phase))}[/b]", "",
                           end_section=True)
         console.print(table)
+        console.print(_host_table(f"{cells[0]}: host memory of a job's node", p.host,
+                                  p.mem_request))
     table = Table(title="cells")
     for col in ("cell", "params", "peak phase", "peak GiB", "capacity GiB", "largest term",
                 "fits", "tokens/step", "GPU-hours", "disk GiB"):
@@ -589,6 +849,14 @@ def print_plan(plans: list[CellPlan], assume: Assumptions, console=None) -> None
                       "-" if p.gpu_hours is None else f"{p.gpu_hours:,.0f}",
                       _gib(p.disk_bytes))
     console.print(table)
+    for e in evals:
+        where = f"{e.gpus} GPU(s)" if e.on_gpu else "CPU"
+        if e.on_gpu:
+            console.print(_terms_table(f"evaluation jobs of {e.backbone}: per GPU", e.gpu,
+                                       e.capacity, "train.gpu_memory_gb"))
+        console.print(_host_table(f"evaluation jobs of {e.backbone} ({where}): host memory",
+                                  e.host, e.mem_request,
+                                  "fits" if e.fits else "[red]does NOT fit[/red]"))
     fit = sum(p.fits for p in plans)
     hours = [p.gpu_hours for p in plans if p.gpu_hours is not None]
     console.print(f"{fit} of {len(plans)} cells fit; checkpoint disk for the grid "

@@ -74,7 +74,9 @@ class EvalSection:
         "0 = a CPU job. The job runs one engine: with engine vllm it is tensor parallel over "
         "train.rollout_tp GPUs, so give that many.")
     threads: int = option(1, "CPU threads per evaluation job (torch intra-op).")
-    mem_mb: int = option(8000, "Memory request of an evaluation job (MB).")
+    mem_mb: int | None = option(
+        8000, "Memory request of an evaluation job (MB), checked against the job's host memory "
+        "plan (`a2tgpo plan`); null = that plan x 1.25.")
     runtime_min: int = option(
         60, "Wall-time request of an evaluation job (minutes, SLURM), for one checkpoint on "
         "the cell's test sets.")

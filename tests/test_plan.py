@@ -11,7 +11,16 @@ import yaml
 
 from a2tgpo.config import ConfigError
 from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig, load_backbone_config
-from a2tgpo.plan import GIB, Assumptions, count_parameters, model_sizes, plan_study, refusal
+from a2tgpo.plan import (
+    GIB,
+    MIB,
+    Assumptions,
+    count_parameters,
+    model_sizes,
+    plan_evals,
+    plan_study,
+    refusal,
+)
 from a2tgpo.study import load_study
 
 PAPER = "config/paper.yaml"
@@ -76,7 +85,13 @@ def test_qwen3_8b_grpo_terms_by_hand():
     assert rollout["optimizer shard"] == 12 * P / 8  # fp32 master + m + v over 8 ranks
     # ZeRO-3 reference: a bf16 shard + the largest tensor (embedding V x h) gathered
     assert rollout["reference (zero3)"] == 2 * P / 8 + 2 * V * h
-    assert rollout["vLLM engine (awake)"] == 0.6 * 96 * GIB
+    assert rollout["vLLM engine (awake)"] == 0.58 * 96 * GIB
+    # the job's own retrieval server (retrieval.http.serve job) shards the Flat index over the
+    # node's 8 GPUs in fp16: 21,015,324 rows x 768 x 4 B (fp32 file) / 2 / 8 = 4.03e9 B each,
+    # in every phase (it stays loaded all job long)
+    shard = 21_015_324 * 768 * 4 / 2 / 8
+    assert all(terms[ph]["retrieval server: index shard"] == shard for ph in terms)
+    assert rollout["retrieval server: faiss scratch + context"] == 2 * GIB
     update = terms["update"]
     # 16384-token micro-batches (>= the 8192-token context), checkpointed: layer inputs
     # 36 x 16384 x 4096 x 2 B
@@ -114,9 +129,11 @@ def test_plan_cli_prints_the_table_and_exits_1_when_a_cell_does_not_fit(tmp_path
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "2 of 2 cells fit" in out.stdout and "GPU-hours" in out.stdout
-    assert "on the retrieval server (retrieval.mode http)" in out.stdout
+    assert "on each job's own retrieval server" in out.stdout
+    assert "evaluation jobs of qwen2.5-7b: per GPU" in out.stdout
     data = json.loads((tmp_path / "plan.json").read_text())
     assert [c["fits"] for c in data["cells"]] == [True, True]
+    assert [(e["backbone"], e["fits"]) for e in data["evaluation"]] == [("qwen2.5-7b", True)]
     assert data["assumptions"] == dataclasses.asdict(Assumptions())
     bad = subprocess.run([sys.executable, "-m", "a2tgpo.cli", "plan", PAPER,
                           "train.gpu_memory_gb=40", "--sets", "tree"],
@@ -139,3 +156,70 @@ def test_snakemake_dry_run_refuses_a_cell_that_cannot_fit(workdir):
     assert "cell backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1" in err
     assert "largest term: vLLM engine (awake)" in err
     assert "Job stats" not in err  # nothing was scheduled
+
+
+EIGHT_B_GRPO = "backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1"
+# the paper's index before it is on disk: corpus rows x retrieval.index.dim x 4 B
+INDEX = 21_015_324 * 768 * 4
+
+
+def test_host_memory_of_a_training_node_by_hand():
+    plan = {p.cell: p for p in _paper_plans(sets=["main"])}[EIGHT_B_GRPO]
+    host = {t.name: t.bytes for t in plan.host}
+    P = 8_190_735_360
+    assert host == {
+        "processes": 16 * 3 * GIB,  # a trainer and a vLLM engine per rank, 3 GiB each
+        "policy weights": 8 * P * 2,  # bf16, per rank: loaded, later the asleep engine's
+        "retrieval server: index": INDEX,  # faiss reads the whole fp32 file
+        "retrieval server: process": 3 * GIB}
+    # train.mem_mb null: the request is the total x 1.25, rounded up to whole MiB
+    need = 16 * 3 * GIB + 16 * P + INDEX + 3 * GIB
+    assert plan.mem_request == -(-need * 1.25 // MIB) * MIB and plan.fits
+
+
+def test_a_memory_request_below_the_host_plan_is_refused_by_name():
+    plans = _paper_plans("train.mem_mb=200000", sets=["main"])  # 195 GiB
+    bad = [p for p in plans if not p.fits]
+    # the 7-8B backbones' nodes need 222-233 GiB, the 4B's 171 GiB: 2 backbones x 2 tracks x
+    # 10 methods
+    assert len(bad) == 40 and all("qwen3-4b" not in p.cell for p in bad)
+    message = refusal(plans)
+    react = EIGHT_B_GRPO.replace("grpo", "react")
+    assert f"cell {react}: needs 233.2 GiB of host memory, train.mem_mb requests 195.3; " \
+           "largest term: policy weights 122.1 GiB" in message
+
+
+def test_evaluation_jobs_count_the_servers_index_on_their_gpu_and_in_host_memory():
+    # eval.engine_memory_share 0.9 (vLLM's usual share) beside the fp16 index on the job's
+    # one GPU: 86.4 + 1 (CUDA context) + 30.06 (64.56e9 B / 2) + 2 (faiss) = 119.5 > 96 GiB
+    evals = plan_evals(load_study(PAPER, ["eval.engine_memory_share=0.9"]))
+    assert [e.fits for e in evals] == [False] * 3
+    gpu = {t.name: t.bytes for t in evals[0].gpu}
+    assert gpu["retrieval server: index shard"] == INDEX / 2
+    assert abs(evals[0].gpu_need - (0.9 * 96 * GIB + GIB + INDEX / 2 + 2 * GIB)) < 1
+    message = refusal([], evals)
+    assert "evaluation jobs of backbone qwen3-8b: need 119.5 GiB per GPU" in message
+    assert "lower eval.engine_memory_share" in message
+    # host: 2 processes x 3 GiB + the 8B's bf16 weights + the index + the server's 3 GiB
+    # = 84.4 GiB, more than 64000 MB (62.5 GiB)
+    evals = plan_evals(load_study(PAPER, ["eval.mem_mb=64000"]))
+    e8 = next(e for e in evals if e.backbone == "qwen3-8b")
+    assert e8.host_need == 6 * GIB + 2 * 8_190_735_360 + INDEX + 3 * GIB and not e8.fits
+    assert "evaluation jobs of backbone qwen3-8b: needs 84.4 GiB of host memory, " \
+           "eval.mem_mb requests 62.5" in refusal([], evals)
+
+
+def test_an_external_server_costs_the_jobs_nothing_and_a_file_on_disk_beats_the_estimate(
+        tmp_path):
+    plan = {p.cell: p for p in _paper_plans("retrieval.http.serve=external",
+                                            sets=["main"])}[EIGHT_B_GRPO]
+    names = {t.name for ts in plan.phases.values() for t in ts} | {t.name for t in plan.host}
+    assert not any(n.startswith("retrieval server") for n in names)
+    index = tmp_path / "e5_Flat.index"
+    with open(index, "wb") as f:  # sparse: its size without the disk
+        f.truncate(16 * GIB)
+    plan = {p.cell: p for p in _paper_plans(f"retrieval.index.prebuilt={index}",
+                                            sets=["main"])}[EIGHT_B_GRPO]
+    rollout = {t.name: t.bytes for t in plan.phases["rollout"]}
+    assert rollout["retrieval server: index shard"] == 16 * GIB / 2 / 8
+    assert {t.name: t.bytes for t in plan.host}["retrieval server: index"] == 16 * GIB

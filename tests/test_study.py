@@ -71,7 +71,7 @@ def test_eval_section_defaults_and_paper_values():
     ("eval.max_batch=0", r"eval: max_batch must be >= 1, got 0"),
     ("eval.engine_memory_share=0", r"eval: engine_memory_share must be in \(0, 1\], got 0"),
     ("eval.engine_memory_share=1.5", r"eval: engine_memory_share must be in \(0, 1\]"),
-    ("eval.mem_mb=lots", r"eval\.mem_mb: expected int, got 'lots'"),
+    ("eval.mem_mb=lots", r"eval\.mem_mb: expected int or null, got 'lots'"),
     ("eval.gpu=2", r"eval\.gpu: unknown key \(did you mean 'gpus'"),
 ])
 def test_eval_section_errors_name_the_key(override, message):

@@ -58,6 +58,10 @@ class IndexConfig:
     gpu: Literal["auto", "on", "off"] = option(
         "auto", "Shard the index over all GPUs in fp16 (needs faiss-gpu); auto = when present."
     )
+    dim: int | None = option(
+        None, "Width of the index's vectors (the encoder's hidden size: 768 for e5-base-v2), "
+        "checked when the index loads; lets `a2tgpo plan` size a Flat index not on disk yet "
+        "(corpus rows x dim x 4 B). null = the encoder's config.json when it is on disk.")
     max_memory_fraction: float = option(
         0.9, "Refuse to load an index estimated to need more than this fraction of free RAM."
     )
@@ -65,6 +69,8 @@ class IndexConfig:
     def __post_init__(self) -> None:
         if self.num_shards < 1 or self.chunk_size < 1:
             raise ValueError("num_shards and chunk_size must be >= 1")
+        if self.dim is not None and self.dim < 1:
+            raise ValueError(f"dim must be >= 1, got {self.dim}")
 
 
 def shard_range(n_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -243,6 +249,9 @@ def load_index(path: str | Path, cfg: IndexConfig, n_passages: int):
         )
     index = faiss.read_index(str(path))
     check_count(index.ntotal, n_passages, path)
+    if cfg.dim is not None and index.d != cfg.dim:
+        raise IndexMismatch(f"{path}: vectors of width {index.d}, but retrieval.index.dim is "
+                            f"{cfg.dim}")
     if hasattr(index, "nprobe"):
         index.nprobe = cfg.nprobe
     hnsw = getattr(index, "hnsw", None)

@@ -93,6 +93,18 @@ def test_count_mismatch_is_caught(built, tmp_path):
         load_index(tmp_path / "ok.faiss", cfg, len(docs) - 3)
 
 
+def test_width_mismatch_with_retrieval_index_dim_is_caught(built, tmp_path):
+    import dataclasses
+
+    _, docs, cfg, shards = built
+    d = np.load(shards[0]).shape[1]
+    build_index(shards, cfg, len(docs), tmp_path / "x.faiss", {})
+    assert load_index(tmp_path / "x.faiss", dataclasses.replace(cfg, dim=d), len(docs)).d == d
+    with pytest.raises(IndexMismatch, match=f"vectors of width {d}, but retrieval.index.dim "
+                                            f"is {d + 1}"):
+        load_index(tmp_path / "x.faiss", dataclasses.replace(cfg, dim=d + 1), len(docs))
+
+
 def test_memory_estimate_refuses_oversized_load(built, tmp_path):
     d, docs, cfg, shards = built
     import dataclasses

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,29 @@ def test_dry_run_paper_grid(workdir):
     # a2tgpo_release and at2po (8 cells) are already main cells -> 60 + 2 + 22 = 84
     assert counts["train"] == counts["evaluate"] == counts["cell_config"] == 84
     assert counts["prepare_track_data"] == 2 and counts["download_corpus"] == 1
+
+
+def test_dry_run_paper_jobs_request_the_memory_their_plan_derives(workdir):
+    """config/paper.yaml leaves train.mem_mb and eval.mem_mb null: each job requests its own
+    plan's host memory x 1.25, per cell and per backbone."""
+    from a2tgpo.plan import MIB, plan_evals, plan_study
+    from a2tgpo.study import load_study
+
+    cell = "backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1"
+    # the target first: --configfile takes every argument after it
+    r = smk(workdir, f"results/paper/runs/{cell}/eval/summary.json", "-n", "-p",
+            "--configfile", "config/paper.yaml")
+    assert r.returncode == 0, r.stderr
+    study = load_study(str(workdir / "config/paper.yaml"))
+    plan = next(p for p in plan_study(study) if p.cell == cell)
+    ev = next(e for e in plan_evals(study) if e.backbone == "qwen3-8b")
+    jobs = {}
+    for block in r.stdout.split("\n\n"):
+        rule = re.search(r"^rule (\w+):", block, re.M)
+        mem = re.search(r"mem_mb=(\d+)", block)
+        if rule and mem:
+            jobs[rule.group(1)] = int(mem.group(1))
+    # the 8B grpo cell's node: 16 processes x 3 GiB + 8 ranks x 16.4 GB of bf16 weights + the
+    # server reading the 64.6 GB index (+ its 3 GiB): 234 GiB, x 1.25 -> ~292 GiB
+    assert jobs["train"] == round(plan.mem_request / MIB) > 280 * 1024
+    assert jobs["evaluate"] == round(ev.mem_request / MIB) > 100 * 1024

@@ -81,15 +81,21 @@ TRACKS = STUDY.track_names  # ("",) without tracks: one model on all training se
 SET_CELLS = study_lib.study_cells(STUDY)
 DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
 
-# 3. every cell's memory plan fits its GPUs (CPU cells: its job's memory), checked once by the
-# main process before anything is submitted; `a2tgpo plan CONFIG` prints the whole plan
+# 3. every cell's memory plan fits its GPUs and its job's memory request, and so does every
+# evaluation job's, checked once by the main process before anything is submitted; a null
+# train.mem_mb / eval.mem_mb becomes the plan's host memory x 1.25; `a2tgpo plan CONFIG`
+# prints the whole plan
+TRAIN_MEM_MB, EVAL_MEM_MB = {}, {}
 if workflow.is_main_process:
-    from a2tgpo.plan import plan_study, refusal
+    from a2tgpo.plan import MIB, plan_evals, plan_study, refusal
 
     _plans = plan_study(STUDY)
-    _refused = refusal(_plans)
+    _evals = plan_evals(STUDY)
+    _refused = refusal(_plans, _evals)
     if _refused:
         sys.exit(f"invalid config: {_refused}")
+    TRAIN_MEM_MB = {p.cell: round(p.mem_request / MIB) for p in _plans}
+    EVAL_MEM_MB = {e.backbone: round(e.mem_request / MIB) for e in _evals}
     # 4. retries of the train rule: the jobs the longest cell needs at train.runtime_min
     from a2tgpo.plan import plan_retries
 
@@ -144,6 +150,22 @@ def job_gpus(backbone_id, n=1):
     """GPUs a training/evaluation job of this backbone requests: none on CPU studies and for
     built (toy) backbones, else n."""
     return 0 if STUDY.train.device == "cpu" or BACKBONES[backbone_id].needs_build else n
+
+
+def train_mem_mb(wc):
+    """A training job's memory request (MB): train.mem_mb, or the cell's plan (3.); a sweep
+    trial, not a grid cell, gets the largest of the grid's. Job-side processes, which plan
+    nothing, see train.mem_mb (or 1)."""
+    cell = getattr(wc, "cell", None)
+    if cell in TRAIN_MEM_MB:
+        return TRAIN_MEM_MB[cell]
+    return STUDY.train.mem_mb or max(TRAIN_MEM_MB.values(), default=1)
+
+
+def eval_mem_mb(wc):
+    """An evaluation job's memory request (MB): eval.mem_mb, or its backbone's plan (3.)."""
+    backbone = Cell.parse(wc.cell).backbone
+    return EVAL_MEM_MB.get(backbone, STUDY.eval.mem_mb or 1)
 
 
 def eval_all_runtime(wc):

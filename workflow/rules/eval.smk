@@ -25,7 +25,7 @@ rule evaluate_all:
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
         runtime=eval_all_runtime,
-        mem_mb=EVAL.mem_mb,
+        mem_mb=eval_mem_mb,
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
@@ -71,7 +71,7 @@ rule evaluate:
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
         runtime=EVAL.runtime_min,
-        mem_mb=EVAL.mem_mb,
+        mem_mb=eval_mem_mb,
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:

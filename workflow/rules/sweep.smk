@@ -48,7 +48,7 @@ rule sweep_trial:
     resources:
         gpu=lambda wc: job_gpus(SWEEPS[wc.sweep][1].base.backbone),
         runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
+        mem_mb=train_mem_mb,
     params:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
     shell:

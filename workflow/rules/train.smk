@@ -100,7 +100,7 @@ rule train:
     resources:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, TRAIN.nproc),
         runtime=TRAIN.runtime_min,
-        mem_mb=TRAIN.mem_mb,
+        mem_mb=train_mem_mb,
     params:
         cmd=lambda wc, threads: train_command(wc, threads),
         retriever=lambda wc, input: with_retriever(input.cfg),
