@@ -179,7 +179,7 @@ def cmd_with_retriever(args) -> int:
     cfg = load_config(TrainConfig, args.config)
     try:
         return run_with_retriever(cfg.retrieval, cfg.corpus, cfg.index, command,
-                                  Path(cfg.run_dir) / "retriever")
+                                  Path(args.state_dir or Path(cfg.run_dir) / "retriever"))
     except RetrieverStartError as e:
         print(f"a2tgpo with-retriever: {e}", file=sys.stderr)
         return 1
@@ -790,6 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     p.add_argument("config", help="the cell's resolved config.yaml (a TrainConfig)")
+    p.add_argument("--state-dir", help="the server's section, ready file and log; default "
+                   "<the config's run_dir>/retriever (sweep trials, which share a base "
+                   "config, each give their own)")
     p.set_defaults(func=cmd_with_retriever)
 
     p = sub.add_parser(
@@ -876,9 +879,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory, tokens, GPU-hours and disk of every cell, before any job starts",
         description="Per cell and rank: weights, optimizer shard, reference, vLLM share, "
         "activations, log-prob buffers and KV caches in each phase of a step, against "
-        "train.gpu_memory_gb (GPU cells) or train.mem_mb (CPU cells); tokens per step, a "
-        "GPU-hour estimate from the stated assumptions, and checkpoint disk. Exit 1 when a "
-        "cell does not fit (the DAG refuses such a study).",
+        "train.gpu_memory_gb (GPU cells) or train.mem_mb (CPU cells); each job's host memory "
+        "against its mem_mb (null: the plan x 1.25) and each evaluation job's GPU and host "
+        "memory, the job's own retrieval server included; tokens per step, a GPU-hour "
+        "estimate from the stated assumptions, and checkpoint disk. Exit 1 when a cell or an "
+        "evaluation job does not fit (the DAG refuses such a study).",
         formatter_class=fmt,
     )
     p.add_argument("config")

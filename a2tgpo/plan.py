@@ -13,8 +13,9 @@ the three phases of a step (rl.py):
 
 The resident state is the weights, the optimizer shard (ZeRO stage), the reference policy of
 KL methods (`train.reference`) and ZeRO's communication buckets. The cell fits when the largest
-phase is within `train.gpu_memory_gb` (GPU cells) or the job's `train.mem_mb` (CPU cells, all
-ranks of the job together). The DAG refuses a study with a cell that does not fit, naming the
+phase is within `train.gpu_memory_gb` (GPU cells) or the job's memory request (CPU cells, all
+ranks of the job together), and the job's host memory (below) within its request. The DAG
+refuses a study with a cell that does not fit, naming the
 cell and its largest term (workflow/rules/common.smk).
 
 How each term is computed (b = bytes per weight/activation element: 2 in bf16, 4 in fp32;

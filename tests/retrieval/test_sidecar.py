@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from a2tgpo.retrieval.base import HttpConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig, build_retriever
@@ -69,10 +70,11 @@ def test_the_job_searches_its_own_server_which_is_stopped_after(world_dir, tmp_p
     assert "retrieval server stopped" in text
 
 
-def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path):
+@pytest.mark.parametrize("state_dir", [None, "trial/retriever"])
+def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path, state_dir):
     """A SLURM time limit signals the job's processes: the job gets the signal (to checkpoint),
     the server goes on serving it, and the wrapper exits with the job's status after stopping
-    the server."""
+    the server. The server's files go in the run folder, or in --state-dir (sweep trials)."""
     from a2tgpo.algo.methods import METHODS
     from a2tgpo.config import dump_config
     from a2tgpo.model.backbone import BackboneConfig
@@ -86,9 +88,12 @@ def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path)
                             method=METHODS["grpo"], train_file="unused", dev_file="unused",
                             corpus=str(world_dir / "corpus.jsonl"), retrieval=_bm25()), path)
     out = tmp_path / "job.json"
+    where = tmp_path / (state_dir or "run/retriever")
+    extra = ["--state-dir", str(where)] if state_dir else []
     wrapper = subprocess.Popen(
-        [sys.executable, "-m", "a2tgpo.cli", "with-retriever", str(path), "--", sys.executable,
-         "-c", JOB, str(out), "wait"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-m", "a2tgpo.cli", "with-retriever", str(path), *extra, "--",
+         sys.executable, "-c", JOB, str(out), "wait"], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -98,8 +103,7 @@ def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path)
             time.sleep(0.1)
         # SLURM signals every process of the job: the wrapper (which passes it on to the job)
         # and the server, which must keep serving until the job is done
-        server = json.loads((tmp_path / "run" / "retriever" / "retriever.ready.json")
-                            .read_text())["pid"]
+        server = json.loads((where / "retriever.ready.json").read_text())["pid"]
         wrapper.send_signal(signal.SIGTERM)
         os.kill(server, signal.SIGTERM)
         log, _ = wrapper.communicate(timeout=60)
@@ -109,8 +113,9 @@ def test_sigterm_reaches_the_job_and_the_server_still_stops(world_dir, tmp_path)
     assert wrapper.returncode == 75, log
     got = json.loads(out.read_text())
     assert got["signal"] == signal.SIGTERM and got["after"] == got["ids"]  # still served
-    assert _server_gone(tmp_path / "run" / "retriever")
+    assert _server_gone(where)
     assert "retrieval server stopped" in log
+    assert (where / "retriever.log").is_file()
 
 
 def test_a_server_that_cannot_start_names_the_index(world_dir, tmp_path):
@@ -141,3 +146,25 @@ def test_paper_jobs_run_under_their_own_retrieval_server(workdir):
         # the wrapper comes first and reads the same cell config the job does
         cfg = cmd.split("a2tgpo with-retriever ", 1)[1].split(" -- ", 1)[0]
         assert cfg.endswith("/config.yaml") and cmd.count(cfg) == 2, cmd
+
+
+def test_paper_sweep_trials_run_under_their_own_retrieval_servers(workdir):
+    # an Optuna sweep on the paper study: each trial starts its own server, in a folder of its
+    # own (trials share the base config, so its run folder would be shared)
+    cfg = yaml.safe_load((workdir / "config/paper.yaml").read_text())
+    sweep = {"name": "paper_beta", "n_trials": 2,
+             "base": {"backbone": "qwen3-4b", "method": "a2tgpo", "track": "multi_hop"},
+             "search": {"beta": {"low": 0.0, "high": 0.5}}}
+    (workdir / "config/sweeps/paper_beta.yaml").write_text(yaml.safe_dump(sweep))
+    cfg["sweeps"] = ["config/sweeps/paper_beta.yaml"]
+    (workdir / "config/sweep.yaml").write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "snakemake", "sweep_paper_beta", "-n", "-p",
+                          "--configfile", "config/sweep.yaml"], cwd=workdir,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    trials = [line for line in run.stdout.splitlines() if "a2tgpo sweep-trial" in line]
+    assert len(trials) == 2
+    for i, cmd in enumerate(sorted(trials, key=lambda c: c.split("--index ")[1])):
+        base = "results/paper/sweeps/paper_beta/base.yaml"
+        assert f"exec a2tgpo with-retriever {base} --state-dir results/paper/sweeps/" \
+               f"paper_beta/trials/{i}/retriever -- a2tgpo sweep-trial " in cmd, cmd

@@ -214,15 +214,25 @@ def test_profile_resource_mapping_dry_run(workdir):
     assert threads == train["threads"] and "cpus_per_task" not in res, res
     # SIGTERM 10 min before the time limit: the trainer checkpoints and exits 75
     assert "--signal=TERM@600" in res.get("slurm_extra", ""), res
-    assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
-        train["nproc"] * train["nodes"], train["mem_mb"], train["runtime_min"]), res
+    assert (int(res["gpu"]), int(res["runtime"])) == (
+        train["nproc"] * train["nodes"], train["runtime_min"]), res
+    # memory: train.mem_mb and eval.mem_mb are null, so each job requests its plan's host
+    # memory x 1.25 (a2tgpo.plan), one value per cell / per backbone
+    from a2tgpo.plan import MIB, plan_evals, plan_study
+    from a2tgpo.study import load_study
+
+    assert train["mem_mb"] is None
+    study = load_study(str(workdir / "config/paper.yaml"))
+    mems = lambda rule: {int(r["mem_mb"]) for n, _, r in jobs_ if n == rule}  # noqa: E731
+    assert mems("train") == {round(p.mem_request / MIB)
+                             for p in plan_study(study, list(study.grid.default))}
+    assert mems("evaluate") == {round(e.mem_request / MIB) for e in plan_evals(study)}
     # evaluation jobs: the study config's eval section, not training's resources
     ev = yaml.safe_load((workdir / "config/paper.yaml").read_text())["eval"]
     threads, res = by_rule["evaluate"]
     assert threads == ev["threads"] and "cpus_per_task" not in res, res
-    assert (int(res["gpu"]), int(res["mem_mb"]), int(res["runtime"])) == (
-        ev["gpus"], ev["mem_mb"], ev["runtime_min"]), res
-    assert (ev["mem_mb"], ev["runtime_min"]) != (train["mem_mb"], train["runtime_min"])
+    assert (int(res["gpu"]), int(res["runtime"])) == (ev["gpus"], ev["runtime_min"]), res
+    assert ev["runtime_min"] != train["runtime_min"]
     # CPU jobs: no GPU, the profile's CPUs and memory
     assert "gpu" not in by_rule["prepare_track_data"][1], by_rule["prepare_track_data"]
     assert by_rule["prepare_track_data"][1]["cpus_per_task"] == "4"
@@ -242,8 +252,9 @@ def test_eval_jobs_take_the_eval_section_dry_run(workdir):
     path = workdir / "config/paper.yaml"
     cfg = yaml.safe_load(path.read_text())
     cfg["train"]["selection"] = "test_avg"
-    cfg["eval"] = {"gpus": 1, "threads": 3, "mem_mb": 12345, "runtime_min": 77,
-                   "engine_memory_share": 0.85, "chunk": 256}
+    # (0.45 of the GPU and 120 GiB: room for the job's retrieval server, which the DAG checks)
+    cfg["eval"] = {"gpus": 1, "threads": 3, "mem_mb": 123456, "runtime_min": 77,
+                   "engine_memory_share": 0.45, "chunk": 256}
     path.write_text(yaml.safe_dump(cfg))
     jobs_ = dry_run_jobs(workdir, "--workflow-profile", "profiles/slurm", shell=True)
     seen = set()
@@ -252,13 +263,13 @@ def test_eval_jobs_take_the_eval_section_dry_run(workdir):
             continue
         seen.add(rule)
         assert threads == 3 and "OMP_NUM_THREADS=3 " in cmd, (rule, threads, cmd)
-        assert (res["gpu"], res["mem_mb"]) == ("1", "12345"), (rule, res)
+        assert (res["gpu"], res["mem_mb"]) == ("1", "123456"), (rule, res)
         # 240 steps saved every 20, plus step 0: 13 checkpoints (ReAct trains none: step 0)
         per_ckpt = 1 if rule == "evaluate" or "method~react/" in cmd else 13
         assert int(res["runtime"]) == 77 * per_ckpt, (rule, res, cmd)
         # the engine share reaches `a2tgpo evaluate` as an override of the cell's config,
         # before the list-valued --test
-        assert re.search(r"a2tgpo evaluate \S+/config\.yaml engine_memory_share=0\.85 "
+        assert re.search(r"a2tgpo evaluate \S+/config\.yaml engine_memory_share=0\.45 "
                          r"--chunk 256 --(best|all-checkpoints) ", cmd), cmd
     assert seen == {"evaluate", "evaluate_all"}
 

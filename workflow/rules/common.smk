@@ -189,9 +189,11 @@ WITH_RETRIEVER = (
 )
 
 
-def with_retriever(cfg_path):
-    """WITH_RETRIEVER for the cell config `cfg_path` (a rule's params)."""
-    return WITH_RETRIEVER.replace("{input.cfg}", cfg_path)
+def with_retriever(cfg_path, state_dir=None):
+    """WITH_RETRIEVER for the cell config `cfg_path` (a rule's params); `state_dir`: where the
+    server keeps its files, if not in the config's run folder."""
+    where = f"{cfg_path} --state-dir {state_dir}" if state_dir else cfg_path
+    return WITH_RETRIEVER.replace("{input.cfg}", where)
 
 
 def train_command(wc, threads):

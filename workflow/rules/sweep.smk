@@ -51,9 +51,13 @@ rule sweep_trial:
         mem_mb=train_mem_mb,
     params:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
+        # a trial's own retrieval server (retrieval.http.serve: job), as a training job's
+        retriever=lambda wc, input: with_retriever(
+            input.base, f"{R}/sweeps/{wc.sweep}/trials/{wc.trial}/retriever"
+        ),
     shell:
-        "OMP_NUM_THREADS={threads} a2tgpo sweep-trial {params.sweep} --index {wildcards.trial} "
-        "--base {input.base} --out {output} --log {log}"
+        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} exec {params.retriever}a2tgpo sweep-trial "
+        "{params.sweep} --index {wildcards.trial} --base {input.base} --out {output} --log {log}"
 
 
 rule sweep_summary:
