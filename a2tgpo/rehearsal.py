@@ -49,20 +49,25 @@ from a2tgpo.train.config import SftConfig
 log = logging.getLogger(__name__)
 
 BUILT = "hub.json"  # written last: the hub folder is complete
+SFT_SPLIT = "sft"  # the world's split the backbone is warm-started on (not on the hub)
 
 
 def _world() -> WorldConfig:
     # FlashRAG subset names, and the splits each has on the hub: hotpotqa and nq have a train
-    # split; bamboogle has only test, hotpotqa has dev but no test (split auto: test, else dev)
+    # split; bamboogle has only test, hotpotqa has dev but no test (split auto: test, else dev).
+    # SFT_SPLIT: the backbone's warm-start questions, never published (a released model is
+    # not trained on the benchmark's questions either)
     return WorldConfig(
         seed=0, countries=8, cities=12, people=40, films=20, bands=8, companies=10,
         distractors=10,
         qa_sets=(
-            QASetSpec(name="hotpotqa", group="multi_hop", splits={"train": 40, "dev": 12},
+            QASetSpec(name="hotpotqa", group="multi_hop",
+                      splits={"train": 40, "dev": 12, SFT_SPLIT: 40},
                       mix={"bridge": 0.8, "comparison": 0.2}),
             QASetSpec(name="bamboogle", group="multi_hop", splits={"test": 8},
                       mix={"bridge": 1.0}),
-            QASetSpec(name="nq", group="single_hop", splits={"train": 40, "test": 12},
+            QASetSpec(name="nq", group="single_hop",
+                      splits={"train": 40, "test": 12, SFT_SPLIT: 40},
                       mix={"single": 1.0}),
             QASetSpec(name="popqa", group="single_hop", splits={"test": 8},
                       mix={"single": 1.0}),
@@ -85,7 +90,8 @@ class RehearsalHubConfig:
     backbone: ToyBackboneConfig = option(doc="The backbone's sizes (Qwen3 architecture).",
                                          factory=lambda: _BACKBONE)
     sft: SftConfig = option(doc="The backbone's warm start on the world's demonstrations.",
-                            factory=lambda: SftConfig(datasets=("hotpotqa/train", "nq/train"),
+                            factory=lambda: SftConfig(datasets=(f"hotpotqa/{SFT_SPLIT}",
+                                                                f"nq/{SFT_SPLIT}"),
                                                       epochs=6, batch_size=8))
     max_shard_size: str = option("4MB", "Safetensors shard size of the backbone (several "
                                         "shards + an index, like the released checkpoints).")
@@ -164,12 +170,16 @@ def build_hub(cfg: RehearsalHubConfig, out: str | Path) -> dict:
                     "sft": json.loads((tmp / ".sft" / "sft_summary.json").read_text())[
                         "demonstrations"]}
 
-        # the questions, FlashRAG's layout
-        shutil.copytree(world / "qa", tmp / "datasets" / ns / "FlashRAG_datasets")
+        # the questions, FlashRAG's layout, without the warm start's
+        shutil.copytree(world / "qa", tmp / "datasets" / ns / "FlashRAG_datasets",
+                        ignore=shutil.ignore_patterns(f"{SFT_SPLIT}.jsonl"))
+        questions = json.loads((world / "summary.json").read_text())["questions"]
+        for splits in questions.values():
+            splits.pop(SFT_SPLIT, None)
 
         record = {"namespace": ns, "passages": len(passages), "index_bytes": len(blob),
                   "embedding_dim": int(emb.shape[1]), "backbone": backbone,
-                  "questions": json.loads((world / "summary.json").read_text())["questions"]}
+                  "questions": questions}
         for scratch in (world, built, tmp / ".sft"):
             shutil.rmtree(scratch)
         for scratch in (tmp / ".index.faiss", tmp / ".sft.yaml"):

@@ -134,6 +134,13 @@ def test_rehearsal_on_slurm_with_a_preempted_training_job(cluster, workdir, tmp_
     assert files["wiki-18.jsonl.gz"]["lines"] == json.loads(
         (hub / "hub.json").read_text())["passages"]
     assert [p["name"] for p in files["e5_Flat.index"]["parts"]] == ["part_aa", "part_ab"]
+    # the backbone was warm-started on questions of its own, none of them published: the
+    # cells' dev selection and test scores are on questions it has not seen
+    built = json.loads((hub / "hub.json").read_text())
+    assert built["backbone"]["sft"]["demos"] > 0
+    published = {f.stem for f in (hub / "datasets/a2tgpo-rehearsal/FlashRAG_datasets")
+                 .glob("*/*.jsonl")}
+    assert published == {"train", "dev", "test"}
 
     # the preempted job: requeued by SLURM, resumed from its checkpoint, no step lost or redone
     assert "jid" in state, out[-3000:]
