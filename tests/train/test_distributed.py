@@ -42,6 +42,7 @@ from a2tgpo.train.distributed import (
     launcher_env,
     visible_devices,
 )
+from a2tgpo.train.launch import remove_shm_buffers
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed")
@@ -112,9 +113,15 @@ def zero_runs(tmp_path_factory):
     _run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
          timeout=400)
     out = tmp_path_factory.mktemp("zero")
-    _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-          "--master_port", str(_free_port()), str(WORKER), "--out", str(out),
-          "--zero-stages", *map(str, ZERO_STAGES)], timeout=300)
+    port = str(_free_port())
+    try:
+        _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+              "--master_port", port, str(WORKER), "--out", str(out),
+              "--zero-stages", *map(str, ZERO_STAGES)], timeout=300)
+    finally:
+        # DeepSpeed's launcher leaves its CPU all-reduce buffers in /dev/shm (`a2tgpo
+        # launch` removes its own)
+        remove_shm_buffers("127.0.0.1", port)
     return out
 
 
