@@ -53,7 +53,7 @@ the same two checks (`EvalPlan`): their engine's share of the GPU plus the serve
 
 Tokens, time and disk: tokens per step from an assumed mean trajectory length, GPU-hours from
 stated throughput assumptions (`Assumptions`), and checkpoint disk from the schedule (HF
-weights per kept checkpoint, optimizer state in the newest only).
+weights per kept checkpoint, optimizer state in the newest `optimizer_states`).
 """
 
 from __future__ import annotations
@@ -472,14 +472,15 @@ def step_seconds(cfg, sizes: ModelSizes, world: int, assume: Assumptions) -> flo
 
 def disk_bytes(cfg, sizes: ModelSizes, on_gpu: bool) -> float:
     """Checkpoint disk of a cell: HF weights in every kept checkpoint (keep_last and the
-    selected one), optimizer state in the newest only (rl.py, checkpoint.py)."""
+    selected one), optimizer state in the newest schedule.optimizer_states (rl.py,
+    checkpoint.py)."""
     b = _dtype_bytes(cfg, on_gpu)
     weights = sizes.params * b
     if not cfg.method.train:
         return weights  # the starting policy's step-0 checkpoint
     kept = cfg.schedule.keep_last + 1
     state = (12 * sizes.params + weights) if cfg.backend == "deepspeed" else 2 * weights
-    return kept * weights + state
+    return kept * weights + min(cfg.schedule.optimizer_states, kept) * state
 
 
 @dataclass(frozen=True)

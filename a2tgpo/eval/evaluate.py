@@ -265,7 +265,11 @@ def evaluate_checkpoint(cfg: TrainConfig, model_dir: str | Path, test_sets: Sequ
 
     Returns (summary, engine, timing); the engine can be handed to the next call (vLLM reuse).
     """
+    from a2tgpo.train.checkpoint import COMPLETE, verify_checkpoint
+
     t0 = time.perf_counter()
+    if (Path(model_dir).parent / COMPLETE).is_file():  # a training checkpoint: sizes, sha256
+        verify_checkpoint(Path(model_dir).parent)
     ccfg, tok, engine = load_policy(cfg, model_dir, max_batch=max_batch, engine=engine)
     tool = SearchTool(retriever, tok, cfg.rollout)
     t1 = time.perf_counter()

@@ -9,10 +9,18 @@ a rerun finds its own progress under the run directory and continues from it:
         state.pt      scheduler, RNG states (python, numpy, torch CPU and CUDA) and the trainer
                       state (step, data order, counters, selection metrics)
         backend/      the optimizer state, written by the training backend (every rank its
-                      shard under DeepSpeed); only in the newest checkpoint: a checkpoint that
-                      is no longer the newest keeps the weights that selection needs
-        meta.json     step, save time, file sizes, trainer state (readable without torch)
+                      shard under DeepSpeed), with sha256.json, its files' hashes; only in the
+                      newest `schedule.optimizer_states` checkpoints: older ones keep the
+                      weights that selection needs
+        meta.json     step, save time, file sizes and sha256 hashes, trainer state (readable
+                      without torch)
         COMPLETE      written last; a directory without it is never used
+
+A resume verifies the newest checkpoint's files against their recorded sizes and hashes
+(`verify_checkpoint`): bytes damaged in place (same size) are caught, not trained on. A damaged
+checkpoint is renamed `damaged_step_NNNNNN` (kept for inspection, never listed or pruned) with
+a warning naming the file, and the run resumes from the previous one (`resume_checkpoint`),
+which keeps its optimizer state while it is among the newest `optimizer_states`.
 
 A checkpoint is built in a hidden temporary sibling and renamed into place only after COMPLETE
 is written (`a2tgpo.io.atomic_path`), so a job killed mid-save leaves at most a hidden temporary
@@ -43,6 +51,9 @@ from a2tgpo.io import atomic_path, atomic_write_json
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
+BACKEND_HASHES = "sha256.json"  # inside backend/
+DAMAGED_PREFIX = "damaged_"
+HASH_CHUNK = 16 * 2**20
 # the training backend's optimizer state (and DeepSpeed's fp32 weights) inside a checkpoint;
 # only the newest checkpoint keeps it
 BACKEND_DIR = "backend"
@@ -126,9 +137,33 @@ def set_rng_state(state: dict) -> None:
 # Save / load
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint's files do not match what its save recorded."""
+
+
 def _file_sizes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_hashes(root: Path, names) -> dict[str, str]:
+    """sha256 of each file `root/name`, several files at once (hashlib releases the GIL on
+    large buffers: a checkpoint's shards hash in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(names)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: _sha256(root / n), names), strict=True))
 
 
 def save_checkpoint(
@@ -143,6 +178,7 @@ def save_checkpoint(
     keep_last: int,
     keep_steps: set[int] | frozenset[int] = frozenset(),
     extra_state=None,
+    optimizer_states: int = 2,
 ) -> Path:
     """Write `run_dir/checkpoints/step_{step:06d}/` atomically, then prune old checkpoints.
 
@@ -153,12 +189,15 @@ def save_checkpoint(
     other checkpoints and leftovers of killed saves are deleted. Returns the checkpoint path.
 
     `optimizer` None: no optimizer state in state.pt (a training backend that shards it saves
-    it through `extra_state(tmp_dir)`, called before the checkpoint is marked complete).
+    it through `extra_state(tmp_dir)`, called before the checkpoint is marked complete). Only
+    the newest `optimizer_states` checkpoints keep backend/ (the optimizer state).
     """
     import torch
 
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if optimizer_states < 1:
+        raise ValueError(f"optimizer_states must be >= 1, got {optimizer_states}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     # fail before writing anything rather than after the (large) model files
@@ -176,20 +215,29 @@ def save_checkpoint(
             "trainer_state": trainer_state,
         }, tmp / "state.pt")
         now = time.time()
+        sizes = _file_sizes(tmp)
         atomic_write_json(tmp / "meta.json", {
             "step": step,
             "time": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(),
             "unix_time": now,
             "save_seconds": round(now - started, 3),
-            "file_sizes": _file_sizes(tmp),
+            "file_sizes": sizes,
+            "sha256": _file_hashes(tmp, sizes),
             "trainer_state": trainer_state,
         })
         if extra_state is not None:
             extra_state(tmp)
+        backend = tmp / BACKEND_DIR
+        if backend.is_dir():
+            files = [str(f.relative_to(backend)) for f in sorted(backend.rglob("*"))
+                     if f.is_file()]
+            atomic_write_json(backend / BACKEND_HASHES, {
+                "file_sizes": {n: (backend / n).stat().st_size for n in files},
+                "sha256": _file_hashes(backend, files)})
         (tmp / COMPLETE).write_text(f"{step}\n")
     log.info("saved checkpoint %s (%.1fs)", path, time.time() - started)
     prune_checkpoints(run_dir, keep_last=keep_last, keep_steps=set(keep_steps) | {step})
-    for older in list_checkpoints(run_dir)[:-1]:
+    for older in list_checkpoints(run_dir)[:-optimizer_states]:
         drop_optimizer_state(older)
     return path
 
@@ -258,28 +306,78 @@ def _load_weights(model, model_dir: Path, map_location: str) -> None:
                          f"unexpected {list(unexpected)[:5]}")
 
 
-def _verify_sizes(path: Path) -> None:
-    meta = json.loads((path / "meta.json").read_text())
-    for name, size in meta["file_sizes"].items():
-        f = path / name
+def _verify_files(root: Path, sizes: dict[str, int], hashes: dict[str, str] | None,
+                  where: Path) -> None:
+    for name, size in sizes.items():
+        f = root / name
         if not f.is_file() or f.stat().st_size != size:
-            raise ValueError(f"checkpoint {path} is damaged: {name} missing or not {size} bytes")
+            raise DamagedCheckpoint(f"checkpoint {where} is damaged: {f.relative_to(where)} "
+                                    f"missing or not {size} bytes")
+    if hashes is None:  # saved before checkpoints recorded hashes: sizes only
+        return
+    got = _file_hashes(root, hashes)
+    for name, want in hashes.items():
+        if got[name] != want:
+            raise DamagedCheckpoint(
+                f"checkpoint {where} is damaged: {(root / name).relative_to(where)} has "
+                f"sha256 {got[name][:16]}..., its save recorded {want[:16]}...")
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise DamagedCheckpoint (naming the file) unless every file of the checkpoint has the
+    size and sha256 its save recorded (meta.json; backend/sha256.json for the optimizer
+    state, when the checkpoint still keeps it)."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise DamagedCheckpoint(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(
+            f"checkpoint {path} is damaged: meta.json unreadable ({e})") from e
+    _verify_files(path, meta["file_sizes"], meta.get("sha256"), path)
+    backend = path / BACKEND_DIR
+    if backend.is_dir() and "sha256" in meta:
+        try:
+            record = json.loads((backend / BACKEND_HASHES).read_text())
+        except (OSError, ValueError) as e:
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged: {BACKEND_DIR}/"
+                                    f"{BACKEND_HASHES} unreadable ({e})") from e
+        _verify_files(backend, record["file_sizes"], record["sha256"], path)
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest intact checkpoint of the run (None: a fresh run). Each newer one that fails
+    `verify_checkpoint` is renamed damaged_step_NNNNNN (kept, never used) with a warning."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except DamagedCheckpoint as e:
+            aside = ckpt.with_name(DAMAGED_PREFIX + ckpt.name)
+            shutil.rmtree(aside, ignore_errors=True)  # an older damaged copy of this step
+            ckpt.rename(aside)
+            log.warning("%s; moved aside to %s, resuming from the checkpoint before it", e,
+                        aside)
+    return None
 
 
 def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None,
-                    map_location: str = "cpu") -> dict[str, Any]:
+                    map_location: str = "cpu", verify: bool = True) -> dict[str, Any]:
     """Restore a checkpoint into existing objects; returns the saved trainer state.
 
     Weights are read from the HF files into `model` in place; optimizer and scheduler states
     (when given) and every RNG state are restored, so training continues as if uninterrupted
-    (bit-identical on CPU).
+    (bit-identical on CPU). `verify`: check the files' sizes and hashes first (False: the
+    caller has, e.g. through `resume_checkpoint`).
     """
     import torch
 
     path = Path(path)
-    if not (path / COMPLETE).is_file():
+    if verify:
+        verify_checkpoint(path)
+    elif not (path / COMPLETE).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    _verify_sizes(path)
     _load_weights(model, path / "model", map_location)
     state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
     if optimizer is not None:

@@ -49,6 +49,10 @@ class ScheduleConfig:
     eval_questions: int = option(0, "Dev questions per validation (0 = all).")
     save_every: int = option(20, "Checkpoint every N steps (and at the end).")
     keep_last: int = option(2, "Checkpoints kept besides those selection needs.")
+    optimizer_states: int = option(
+        2, "Newest checkpoints that keep the optimizer state (backend/): with 2, a run whose "
+        "newest checkpoint is found damaged resumes exactly from the one before; 1 saves the "
+        "disk (12 B x parameters per checkpoint) and such a run stops instead.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,8 +69,8 @@ from a2tgpo.tracking import Tracker
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     DataOrder,
-    latest_checkpoint,
     load_checkpoint,
+    resume_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -273,14 +273,15 @@ def start_run(cfg: TrainConfig) -> Run:
     train_qs = load_questions(cfg.train_file)
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
     start, best, pending = 0, {"step": None, "val_em": -1.0}, False
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = _resume_point(run_dir, rank, distributed)
     # optimizer state in the checkpoint's backend/ (older checkpoints of this project: in
     # state.pt, single process only)
     in_backend = ckpt is not None and (ckpt / BACKEND_DIR).is_dir()
     if ckpt is not None:
         # weights before the backend wraps them
         state = load_checkpoint(ckpt, model=model, scheduler=scheduler,
-                                optimizer=None if in_backend or distributed else optimizer)
+                                optimizer=None if in_backend or distributed else optimizer,
+                                verify=False)  # rank 0 verified it
         start, best = state["step"], state["best"]
         pending = state.get("pending_validation", False)
         order.load_state_dict(state["data_order"])
@@ -290,7 +291,8 @@ def start_run(cfg: TrainConfig) -> Run:
         backend.load_state(ckpt / BACKEND_DIR)
     elif ckpt is not None and distributed:
         raise ValueError(f"{ckpt} keeps no optimizer state ({BACKEND_DIR}/): only the newest "
-                         "checkpoint does, and a run resumes from it")
+                         "schedule.optimizer_states checkpoints do, and a run resumes from "
+                         "the newest intact one")
     engine = (make_engine(cfg, backend.unwrapped, tok, placement.devices)
               if placement.hosts_engine else None)
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
@@ -349,6 +351,7 @@ def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
     save_checkpoint(Path(run.cfg.run_dir), step, model=backend.unwrapped, tokenizer=run.tok,
                     optimizer=None, scheduler=run.scheduler,
                     keep_last=run.cfg.schedule.keep_last, keep_steps=keep,
+                    optimizer_states=run.cfg.schedule.optimizer_states,
                     trainer_state={"step": step, "best": dict(run.best),
                                    "data_order": run.order.state_dict(),
                                    "pending_validation": pending_validation},
@@ -718,6 +721,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _resume_point(run_dir: Path, rank: int, distributed: bool) -> Path | None:
+    """The checkpoint every rank resumes from: rank 0 picks the newest intact one (a damaged
+    one is moved aside with a warning, checkpoint.resume_checkpoint) and tells the others."""
+    ckpt = resume_checkpoint(run_dir) if rank == 0 else None
+    if distributed:
+        import torch.distributed as dist
+
+        box = [None if ckpt is None else str(ckpt)]
+        dist.broadcast_object_list(box, src=0)
+        ckpt = None if box[0] is None else Path(box[0])
+    return ckpt
 
 
 def _process(cfg: TrainConfig) -> tuple[int, str, EnginePlacement]:

@@ -13,14 +13,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer
 from a2tgpo.train.checkpoint import (
+    BACKEND_DIR,
     COMPLETE,
+    DamagedCheckpoint,
     DataExhausted,
     DataOrder,
     checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from a2tgpo.train.preemption import EXIT_PREEMPTED, PreemptionHandler
 
@@ -176,6 +180,64 @@ def test_atomicity_and_pruning(tmp_path, tokenizer, monkeypatch):
     with pytest.raises(TypeError):
         save_checkpoint(tmp_path, 10, model=model, tokenizer=tokenizer, optimizer=opt,
                         trainer_state={"x": object()}, keep_last=1)
+
+
+def _flip_byte(path):
+    """Damage a file in place without changing its size: the middle byte, inverted."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_damage_is_caught_and_the_run_falls_back(tmp_path, tokenizer, caplog):
+    model, opt, sched = fresh(tokenizer, seed=0)
+    ckpts = tmp_path / "checkpoints"
+
+    def backend(tmp):  # what a training backend writes: its optimizer state in backend/
+        (tmp / BACKEND_DIR).mkdir()
+        (tmp / BACKEND_DIR / "shard_0.pt").write_bytes(os.urandom(4096))
+
+    for step in (1, 2, 3):
+        save(tmp_path, step, model, tokenizer, opt, sched, keep_last=3, extra_state=backend,
+             optimizer_states=2)
+    # the newest two keep the optimizer state, each with its files' hashes
+    assert [(ckpts / f"step_00000{i}" / BACKEND_DIR / "sha256.json").is_file()
+            for i in (1, 2, 3)] == [False, True, True]
+    assert not (ckpts / "step_000001" / BACKEND_DIR).exists()
+    for i in (1, 2, 3):
+        verify_checkpoint(ckpts / f"step_00000{i}")
+
+    # weights damaged in place: same size, so the sizes alone would pass
+    _flip_byte(ckpts / "step_000003" / "model" / "model.safetensors")
+    with pytest.raises(DamagedCheckpoint, match="model/model.safetensors has sha256"):
+        verify_checkpoint(ckpts / "step_000003")
+    with pytest.raises(DamagedCheckpoint, match="model/model.safetensors"):
+        load_checkpoint(ckpts / "step_000003", model=model)
+    with caplog.at_level("WARNING"):
+        assert resume_checkpoint(tmp_path) == ckpts / "step_000002"
+    assert "step_000003 is damaged: model/model.safetensors" in caplog.text
+    # kept for inspection under a name nothing lists or prunes
+    assert (ckpts / "damaged_step_000003" / COMPLETE).is_file()
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [1, 2]
+
+    # the optimizer state is checked too: step 2's, then the run falls back to step 1
+    _flip_byte(ckpts / "step_000002" / BACKEND_DIR / "shard_0.pt")
+    with pytest.raises(DamagedCheckpoint, match="backend/shard_0.pt has sha256"):
+        verify_checkpoint(ckpts / "step_000002")
+    assert resume_checkpoint(tmp_path) == ckpts / "step_000001"
+    # the training state too, and nothing left: a fresh run
+    _flip_byte(ckpts / "step_000001" / "state.pt")
+    assert resume_checkpoint(tmp_path) is None
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "damaged_step_000001", "damaged_step_000002", "damaged_step_000003"]
+
+    # a later save prunes checkpoints, not the damaged ones
+    for step in (4, 5):
+        save(tmp_path, step, model, tokenizer, opt, sched, keep_last=1)
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "damaged_step_000001", "damaged_step_000002", "damaged_step_000003", "step_000005"]
+    with pytest.raises(ValueError, match="optimizer_states"):
+        save(tmp_path, 6, model, tokenizer, opt, optimizer_states=0)
 
 
 def wait_for(predicate):

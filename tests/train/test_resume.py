@@ -1,10 +1,11 @@
 """A training job killed with SIGKILL and rerun ends exactly where an uninterrupted job ends.
 
 Both runs are real `a2tgpo train` processes on the toy world (GRPO from the warm-started
-model). The interrupted one is killed right after its second checkpoint; the rerun resumes
-from the last complete checkpoint (weights, optimizer, scheduler, RNG states, data order) and
-must reproduce the uninterrupted run bit for bit on CPU: the same final weights and the same
-logged metrics for every step (timings excepted).
+model). The interrupted one is killed right after its second checkpoint, and its newest
+checkpoint is then damaged on disk (one byte of the weights, same size); the rerun detects it,
+moves it aside and resumes from the complete checkpoint before it (weights, optimizer,
+scheduler, RNG states, data order), and must reproduce the uninterrupted run bit for bit on
+CPU: the same final weights and the same logged metrics for every step (timings excepted).
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ import torch
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.config import dump_config
 from a2tgpo.tracking import read_metrics
-from a2tgpo.train.checkpoint import latest_checkpoint
+from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 from a2tgpo.train.config import ScheduleConfig
 
 pytestmark = pytest.mark.slow
@@ -83,13 +84,22 @@ def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (runs["killed"] / "summary.json").exists()  # it really stopped mid-training
-    latest = latest_checkpoint(runs["killed"]).name
-    assert latest in (f"step_{KILL_AFTER:06d}", f"step_{KILL_AFTER + 1:06d}")
+    latest = latest_checkpoint(runs["killed"])
+    assert latest.name in (f"step_{KILL_AFTER:06d}", f"step_{KILL_AFTER + 1:06d}")
+    # the newest checkpoint damaged in place: its size unchanged, one byte of the weights off
+    weights = latest / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-len(data) // 3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    before = checkpoint_step(latest) - 1
 
     rerun = subprocess.run(_command(tmp_path / "killed.yaml"), env=_env(), capture_output=True,
                            text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "resumed from" in rerun.stderr
+    assert f"{latest} is damaged: model/model.safetensors has sha256" in rerun.stderr
+    assert f"resumed from {latest.with_name(f'step_{before:06d}')} (step {before})" \
+        in rerun.stderr
+    assert (latest.with_name(f"damaged_{latest.name}") / "COMPLETE").is_file()
 
     name_a, weights_a = _final_weights(runs["straight"])
     name_b, weights_b = _final_weights(runs["killed"])
