@@ -146,9 +146,16 @@ class _Batcher:
                     f"retriever returned {len(hits)} hit lists for {len(queries)} queries"
                 )
         except Exception as e:
-            log.exception("retrieval batch of %d requests failed", len(batch))
+            if len(batch) == 1:
+                log.exception("retrieval request of %d queries failed", len(queries))
+                batch[0].future.set_exception(e)
+                return
+            # one bad request must not fail the others merged with it: each alone, so only
+            # the failing ones get their error
+            log.warning("retrieval batch of %d requests failed (%s: %s); serving them one by "
+                        "one", len(batch), type(e).__name__, e)
             for p in batch:
-                p.future.set_exception(e)
+                self._serve_alone(p)
             return
         log.debug(
             "retrieval batch: %d requests, %d queries, topk %d, %.1f ms",
@@ -160,6 +167,30 @@ class _Batcher:
             offset += len(p.queries)
 
 
+    def _serve_alone(self, p: _Pending) -> None:
+        try:
+            hits = self._retriever.search(p.queries, p.topk)
+            if len(hits) != len(p.queries):
+                raise RuntimeError(
+                    f"retriever returned {len(hits)} hit lists for {len(p.queries)} queries")
+        except Exception as e:
+            log.exception("retrieval request of %d queries failed", len(p.queries))
+            p.future.set_exception(e)
+            return
+        p.future.set_result([h[: p.topk] for h in hits])
+
+
+def _not_utf8(queries: list[str]) -> int | None:
+    """Index of the first query that is not encodable text (e.g. a lone surrogate, which JSON
+    allows as \\ud800 but no tokenizer takes), else None."""
+    for i, q in enumerate(queries):
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            return i
+    return None
+
+
 def build_app(
     retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float,
     max_request_queries: int = 4096, max_topk: int = 100, max_body_bytes: int = 16 * 2**20,
@@ -169,7 +200,9 @@ def build_app(
     The batch worker runs while the app is served (FastAPI lifespan); the caller keeps ownership
     of `retriever` and closes it. Requests over the limits are refused before they reach the
     batch (413: a body over `max_body_bytes` by its Content-Length, more than
-    `max_request_queries` queries; 422: topk over `max_topk`).
+    `max_request_queries` queries; 422: topk over `max_topk`, a query that is not text). A
+    batch whose search fails is served again request by request, so a request that cannot be
+    searched fails alone (500) and the others merged with it are answered.
     """
     if default_topk < 1 or max_batch < 1 or max_wait_ms < 0:
         raise ValueError(
@@ -214,6 +247,10 @@ def build_app(
         if request.topk is not None and request.topk > max_topk:
             return JSONResponse({"detail": f"topk {request.topk} is over the server's limit of "
                                  f"{max_topk} (retrieval.http.max_topk)"}, status_code=422)
+        bad = _not_utf8(request.queries)
+        if bad is not None:
+            return JSONResponse({"detail": f"query {bad} is not valid text (it holds a lone "
+                                 "UTF-16 surrogate; encode queries as UTF-8)"}, status_code=422)
         try:
             hits = await asyncio.wrap_future(
                 batcher.submit(request.queries, request.topk or default_topk)

@@ -226,6 +226,43 @@ def test_retriever_error_fails_its_batch_with_500_then_server_keeps_serving(base
     assert r.json()["result"][0][0]["id"] == "fine#0"
 
 
+def test_one_bad_request_in_a_batch_fails_alone(base, fake):
+    # 20 innocent requests and one the retriever cannot search ("boom") arrive together and are
+    # merged into batches of 8 queries: the batch holding "boom" fails, is served again one
+    # request at a time, and only "boom" gets an error
+    fake.delay_s = 0.05
+    names = [f"ok{i}" for i in range(20)] + ["boom"]
+    barrier = threading.Barrier(len(names))
+    status: dict[str, int] = {}
+
+    def one(name: str) -> None:
+        barrier.wait()
+        r = requests.post(f"{base}/retrieve", json={"queries": [name], "topk": 1}, timeout=20)
+        status[name] = r.status_code
+        if r.status_code == 200:
+            assert r.json()["result"][0][0]["id"] == f"{name}#0"
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert status.pop("boom") == 500
+    assert status == {n: 200 for n in names[:-1]}  # 0 innocent failures
+    # "boom" was merged with others at first (the batch failed), then searched alone
+    assert any("boom" in qs and len(qs) > 1 for qs, _ in fake.calls), fake.calls
+    assert (["boom"], 1) in fake.calls
+
+
+def test_a_query_that_is_not_text_is_refused_before_the_batch(base, fake):
+    # JSON may carry a lone surrogate ("\ud800"); no tokenizer takes it
+    body = '{"queries": ["fine", "bad \\ud800 query"], "topk": 1}'
+    r = requests.post(f"{base}/retrieve", data=body,
+                      headers={"Content-Type": "application/json"}, timeout=5)
+    assert r.status_code == 422 and "query 1 is not valid text" in r.json()["detail"]
+    assert fake.calls == []
+
+
 # --------------------------------------------------------------------------------------------
 # client against the real server
 
