@@ -49,6 +49,11 @@ class ScheduleConfig:
     eval_questions: int = option(0, "Dev questions per validation (0 = all).")
     save_every: int = option(20, "Checkpoint every N steps (and at the end).")
     keep_last: int = option(2, "Checkpoints kept besides those selection needs.")
+    max_nonfinite_steps: int = option(
+        0, "Consecutive steps with a non-finite loss or gradient norm tolerated before "
+        "training stops with an error (the newest checkpoint is from before them). Backend "
+        "single skips such a step's updates; DeepSpeed applies them as it does (no skip in "
+        "bf16/fp32), so there the next steps are usually non-finite too.")
     optimizer_states: int = option(
         2, "Newest checkpoints that keep the optimizer state (backend/): with 2, a run whose "
         "newest checkpoint is found damaged resumes exactly from the one before; 1 saves the "

@@ -313,10 +313,13 @@ class SingleBackend:
         loss.backward()
 
     def step(self) -> float:
-        """clip_grad_norm_ to `grad_clip` (<= 0: no clipping), AdamW step, grads to None."""
+        """clip_grad_norm_ to `grad_clip` (<= 0: no clipping), AdamW step, grads to None. A
+        non-finite gradient norm skips the step (the weights stay finite; the trainer counts
+        it against schedule.max_nonfinite_steps)."""
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), limit)
-        self.optimizer.step()
+        if torch.isfinite(norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 

@@ -160,6 +160,7 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
         _stop(run, None, str(e))  # nothing new to save
     bar = tqdm(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
                unit="step", initial=first, total=sched.steps, disable=not run.main)
+    streak = 0  # consecutive non-finite steps
     for step in bar:
         # the ranks agree: one may have been signalled, or read the clock a little later
         out_of_time = not budget.next_step_fits()
@@ -174,6 +175,18 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
             run.order.load_state_dict(at_start[1])
             _stop(run, step, f"{e}, step {step + 1} abandoned")
         done, pending = step + 1, False
+        # every rank sees the same values (summed / global), so all stop together
+        bad = {k: metrics[k] for k in NONFINITE_KEYS
+               if k in metrics and not math.isfinite(metrics[k])}
+        streak = streak + 1 if bad else 0
+        if streak > sched.max_nonfinite_steps:
+            run.tracker.log(metrics, done)  # the record shows the step that stopped it
+            raise NonFiniteTraining(
+                f"step {done}: " + ", ".join(f"{k} = {v}" for k, v in bad.items())
+                + f" ({streak} non-finite step(s) in a row; schedule.max_nonfinite_steps is "
+                f"{sched.max_nonfinite_steps}); nothing of it was saved, the newest checkpoint "
+                f"is step {run.saved}. Lower optim.lr or tighten optim.grad_clip, then rerun: "
+                "it resumes from that checkpoint")
         if done % sched.eval_every == 0 or done == sched.steps:
             try:
                 metrics.update(validate(run, done))
@@ -193,6 +206,14 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
                "best_val_em": run.best["val_em"]}
     run.tracker.summary(summary)
     return summary
+
+
+# a step's values that must be finite for training to go on (update.py UpdateLog.metrics)
+NONFINITE_KEYS = ("loss/total", "optim/grad_norm")
+
+
+class NonFiniteTraining(RuntimeError):
+    """Training produced a non-finite loss or gradient norm more often than tolerated."""
 
 
 def _stop(run: Run, step: int | None, why: str) -> None:

@@ -78,3 +78,41 @@ def test_start_run_applies_gradient_checkpointing(toy_train_config, tmp_path):
                                gradient_checkpointing=on)
         run = start_run(cfg)
         assert run.backend.unwrapped.is_gradient_checkpointing == on
+
+
+@pytest.mark.parametrize("tolerated", [0, 1])
+def test_a_non_finite_step_stops_training_unless_tolerated(toy_train_config, tmp_path,
+                                                           monkeypatch, tolerated):
+    """Step 2's updates report a NaN gradient norm (as a NaN loss would make them): with
+    max_nonfinite_steps 0 training stops there with an error, nothing of step 2 saved; with 1
+    that step's updates are skipped and training goes on."""
+    import a2tgpo.train.rl as rl
+    from a2tgpo.tracking import read_metrics
+
+    real = rl.update_policy
+    calls = []
+
+    def nan_at_step_2(*args, **kwargs):
+        log = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            log.grad_norms = [float("nan")] * len(log.grad_norms)
+        return log
+
+    monkeypatch.setattr(rl, "update_policy", nan_at_step_2)
+    cfg = toy_train_config(
+        tmp_path / "run", small(METHODS["grpo"]),
+        schedule=ScheduleConfig(steps=3, prompts_per_step=2, mini_batch_prompts=1,
+                                micro_batch_size=4, eval_every=3, eval_questions=2,
+                                save_every=1, keep_last=5, max_nonfinite_steps=tolerated))
+    ckpts = lambda: sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step_*"))  # noqa: E731
+    if tolerated == 0:
+        with pytest.raises(rl.NonFiniteTraining, match=r"step 2: optim/grad_norm = nan .*"
+                                                       r"newest checkpoint is step 1"):
+            rl.train(cfg)
+        assert ckpts() == ["step_000000", "step_000001"]
+        rows = [r for r in read_metrics(tmp_path / "run") if "optim/grad_norm" in r]
+        assert [r["step"] for r in rows] == [1, 2]  # the stopping step is on record
+    else:
+        rl.train(cfg)
+        assert ckpts() == [f"step_00000{i}" for i in range(4)]

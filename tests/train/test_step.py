@@ -405,3 +405,19 @@ def test_token_budget_micro_batches_give_the_unsplit_loss_and_gradients():
         assert abs(loss - loss0) < 1e-6, (budget, loss, loss0)
         for a, b in zip(grads, grads0, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update():
+    # one weight, AdamW: a finite gradient moves it; a NaN gradient leaves it (and the
+    # optimizer's step count) as it was, and the NaN norm is reported to the trainer
+    w = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.AdamW(w.parameters(), lr=0.1)
+    backend = SingleBackend(w, opt, 1.0)
+    w.weight.grad = torch.ones_like(w.weight)
+    before = w.weight.detach().clone()
+    assert backend.step() == 1.0 and not torch.equal(w.weight, before)
+    before = w.weight.detach().clone()
+    w.weight.grad = torch.full_like(w.weight, float("nan"))
+    assert math.isnan(backend.step())
+    assert torch.equal(w.weight, before) and w.weight.grad is None
+    assert opt.state[w.weight]["step"] == 1
