@@ -59,8 +59,13 @@ class HttpConfig:
         "timeouts and HTTP 5xx are retried, HTTP 4xx and malformed responses are not.",
     )
     backoff_s: float = option(
-        0.5, "Client: sleep before the 2nd attempt, in seconds; doubled before each later one."
+        0.5, "Client: sleep before the 2nd attempt, in seconds; doubled before each later one "
+        "(at most 10 s)."
     )
+    retry_budget_s: float = option(
+        60.0, "Client: after `retries` attempts, go on retrying while the next attempt starts "
+        "within this many seconds of the first: long enough for a server to restart (loading "
+        "a small index takes 8-15 s). 0 = `retries` attempts only.")
     max_batch_queries: int = option(
         512, "Client: most queries sent in one request; longer query lists go in several."
     )
@@ -98,6 +103,8 @@ class HttpConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
+        if self.retry_budget_s < 0:
+            raise ValueError(f"retry_budget_s must be >= 0, got {self.retry_budget_s}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         for name in ("retries", "max_batch_queries", "max_batch", "max_request_queries",

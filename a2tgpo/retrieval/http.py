@@ -382,11 +382,16 @@ def _snippet(resp: requests.Response, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+MAX_BACKOFF_S = 10.0  # the longest sleep between two attempts
+
+
 class HttpRetriever:
     """`Retriever` over HTTP: ours (`a2tgpo serve-retriever`) or a Search-R1 retrieval server.
 
     `url` is the full endpoint URL, e.g. "http://127.0.0.1:8000/retrieve". Each request is tried
-    up to `retries` times in total, sleeping `backoff_s`, then twice that, and so on, in between.
+    up to `retries` times in total, sleeping `backoff_s`, then twice that, and so on (each sleep
+    at most MAX_BACKOFF_S), in between; and beyond `retries`, attempts go on while the next one
+    starts within `retry_budget_s` of the first (a server restarting).
     """
 
     def __init__(
@@ -397,16 +402,20 @@ class HttpRetriever:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_batch_queries: int = 512,
+        retry_budget_s: float = 0.0,
     ) -> None:
-        if timeout_s <= 0 or retries < 1 or backoff_s < 0 or max_batch_queries < 1:
+        if timeout_s <= 0 or retries < 1 or backoff_s < 0 or max_batch_queries < 1 \
+                or retry_budget_s < 0:
             raise ValueError(
-                "need timeout_s > 0, retries >= 1, backoff_s >= 0, max_batch_queries >= 1; got "
-                f"{timeout_s}, {retries}, {backoff_s}, {max_batch_queries}"
+                "need timeout_s > 0, retries >= 1, backoff_s >= 0, max_batch_queries >= 1, "
+                f"retry_budget_s >= 0; got {timeout_s}, {retries}, {backoff_s}, "
+                f"{max_batch_queries}, {retry_budget_s}"
             )
         self.url = url
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.retry_budget_s = retry_budget_s
         self.max_batch_queries = max_batch_queries
         self._session = requests.Session()  # keeps the connection open across calls
 
@@ -424,9 +433,16 @@ class HttpRetriever:
     def _request(self, queries: list[str], topk: int) -> list[list[Hit]]:
         payload = {"queries": queries, "topk": topk, "return_scores": True}
         last_error = ""
-        for attempt in range(1, self.retries + 1):
+        first = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
             if attempt > 1:
-                time.sleep(self.backoff_s * 2 ** (attempt - 2))
+                pause = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 2))
+                if attempt > self.retries and \
+                        time.monotonic() + pause - first > self.retry_budget_s:
+                    break
+                time.sleep(pause)
             try:
                 # (connect, read): a tuple so that neither phase can hang without bound.
                 resp = self._session.post(
@@ -443,12 +459,14 @@ class HttpRetriever:
                     return self._parse(resp, len(queries))
                 last_error = f"HTTP {resp.status_code}: {_snippet(resp)}"
             log.warning(
-                "retriever %s: attempt %d/%d failed: %s",
-                self.url, attempt, self.retries, last_error,
+                "retriever %s: attempt %d (of at least %d, for up to %g s) failed: %s",
+                self.url, attempt, self.retries, self.retry_budget_s, last_error,
             )
         raise RetrieverUnavailable(
-            f"retriever at {self.url} unavailable after {self.retries} attempts "
-            f"(timeout {self.timeout_s:g} s each); last error: {last_error}. Check that "
+            f"retriever at {self.url} unavailable after {attempt - 1} attempts in "
+            f"{time.monotonic() - first:.1f} s (timeout {self.timeout_s:g} s each, "
+            f"retrieval.http.retries {self.retries}, retry_budget_s {self.retry_budget_s:g}); "
+            f"last error: {last_error}. Check that "
             f"`a2tgpo serve-retriever` or the Search-R1 retrieval server is running and "
             f"reachable at {self.url}."
         )

@@ -157,7 +157,8 @@ def build_retriever(cfg: RetrievalConfig, corpus: str | Path, index_path: str | 
             raise ValueError(f"retrieval.http.serve is job but {ENV_URL} is not set: run the "
                              "command under `a2tgpo with-retriever CONFIG -- ...`")
         return HttpRetriever(url or h.url, timeout_s=h.timeout_s, retries=h.retries,
-                             backoff_s=h.backoff_s, max_batch_queries=h.max_batch_queries)
+                             backoff_s=h.backoff_s, max_batch_queries=h.max_batch_queries,
+                             retry_budget_s=h.retry_budget_s)
     from a2tgpo.retrieval.docstore import DocStore
 
     docs = DocStore(corpus, cache_dir=cache_dir)

@@ -518,3 +518,41 @@ def test_serve_on_port_0_publishes_where_it_listens(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+def test_the_retry_budget_outlasts_a_server_restart():
+    """A server that is down for ~1.5 s (restarting) and then listens: the budget's attempts
+    reach it; with `retries` attempts only (budget 0) the client gives up before."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/retrieve"
+    quick = HttpRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.1)
+    with pytest.raises(RetrieverUnavailable, match="after 2 attempts"):
+        quick.search(["q"], topk=1)
+
+    box = {}
+
+    def restart_later():
+        time.sleep(1.5)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        app = build_app(FakeRetriever(), default_topk=1, max_batch=8, max_wait_ms=1.0)
+        box["server"] = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        box["server"].run(sockets=[sock])
+
+    thread = threading.Thread(target=restart_later, daemon=True)
+    thread.start()
+    try:
+        # backoff 0.1, 0.2, 0.4, 0.8, 1.6 s: the 5th or 6th attempt (1.5-3.1 s) finds it
+        patient = HttpRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.1,
+                                retry_budget_s=10.0)
+        assert patient.search(["q"], topk=1)[0][0].id == "q#0"
+    finally:
+        deadline = time.monotonic() + 5
+        while "server" not in box and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if "server" in box:
+            box["server"].should_exit = True
+        thread.join(10)
