@@ -80,7 +80,8 @@ def test_start_run_applies_gradient_checkpointing(toy_train_config, tmp_path):
         assert run.backend.unwrapped.is_gradient_checkpointing == on
 
 
-@pytest.mark.parametrize("tolerated", [0, 1])
+# tolerance 1 (the run goes on) costs a minute more: -m expensive; test_step.py checks the skip
+@pytest.mark.parametrize("tolerated", [0, pytest.param(1, marks=pytest.mark.expensive)])
 def test_a_non_finite_step_stops_training_unless_tolerated(toy_train_config, tmp_path,
                                                            monkeypatch, tolerated):
     """Step 2's updates report a NaN gradient norm (as a NaN loss would make them): with
