@@ -141,6 +141,12 @@ def jobs(env):
     return {jid.strip(): (state.strip(), comment.strip()) for jid, state, comment in rows}
 
 
+# states a job ends in (squeue --states): not the passing ones a signalled job shows on
+# its way (SIGNALING, COMPLETING, STAGE_OUT), which a poll can catch; "": no longer listed
+FINAL_STATES = {"", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL",
+                "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+
+
 def find(table, rule, piece, states=None):
     for jid, (state, comment) in table.items():
         if re.match(rf"rule_{rule}($|_wildcards_)", comment) and piece in comment and (
@@ -437,8 +443,7 @@ def test_slurm_time_limit_mid_step_resumes_to_the_same_weights(cluster, toy_work
                                     f"TimeLimit={limit // 60}:{limit % 60:02d}"], env=env,
                                    check=True)
                     seen.update(cut=jid, cut_at_step=logged_step())
-        elif "ended" not in seen and table.get(seen["cut"], ("",))[0] not in (
-                "RUNNING", "COMPLETING", "PENDING", "CONFIGURING"):
+        elif "ended" not in seen and table.get(seen["cut"], ("",))[0] in FINAL_STATES:
             # the first attempt is over: what it left before the retry starts training
             seen.update(ended=table[seen["cut"]][0], step=logged_step(),
                         ckpt=latest_checkpoint(run), log=(
