@@ -48,3 +48,19 @@ def test_plan_memory_runs_quick():
         # the pass allocated something and the plan predicted something
         assert planned > 0 and measured > 0 and math.isfinite(ratio), out.stdout
     assert "largest deviation of planned from measured" in out.stdout
+
+
+def test_retrieval_load_runs_quick():
+    out = subprocess.run([sys.executable, "bench/retrieval_load.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
+                 for line in out.stdout.splitlines() if re.search(r"\S\s{2,}\S", line))
+    # --quick: 3 phases of 40 small requests, and 1 large in each of the 2 mixed phases
+    assert table["innocent requests"] == "122" and table["innocent failures"] == "0", out.stdout
+    assert table["bad requests with an unexpected status"] == "0", out.stdout
+    # 4 bad requests per mixed phase, one of each kind, each answered with its status
+    assert re.search(r"bad requests  8: lone surrogate -> 422 x2, retriever fails -> 500 x2, "
+                     r"too many queries -> 413 x2, topk 10\*\*9 -> 422 x2", out.stdout), out.stdout
+    ratio = float(table["small p99 with large ones present: unsplit / split"])
+    assert math.isfinite(ratio) and ratio > 0, out.stdout

@@ -13,8 +13,10 @@ Deviations from Search-R1's server, all on the safe side:
 - It binds 0.0.0.0; `serve` binds 127.0.0.1 unless a host is given.
 - It treats `topk: 0` as "use the default"; here `topk` must be >= 1 (422 otherwise).
 - It runs one retriever call per HTTP request; here concurrent requests are batched into one
-  `Retriever.search` call by a single worker thread, which also keeps a non-thread-safe retriever
-  (faiss on GPU, a torch encoder) on one thread.
+  `Retriever.search` call of at most `max_batch` queries by a single worker thread, which also
+  keeps a non-thread-safe retriever (faiss on GPU, a torch encoder) on one thread. A request of
+  more than `max_batch` queries is searched in pieces that take turns with the other queued
+  requests, so a small request does not wait for a large one's whole search.
 
 The client (`HttpRetriever`) is a `Retriever`: the agent loop cannot tell it from an in-process one.
 """
@@ -59,18 +61,34 @@ class RetrieveRequest(pydantic.BaseModel):
 
 @dataclass
 class _Pending:
+    """One request. A request larger than max_batch is searched in pieces: `served` of its
+    queries have been searched so far, their hits (cut to `topk`) gathered in `hits`."""
+
     queries: list[str]
     topk: int
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    served: int = 0
+    hits: list[list[Hit]] = dataclasses.field(default_factory=list)
 
 
 class _Batcher:
-    """One worker thread that owns the retriever and serves queued requests in batches."""
+    """One worker thread that owns the retriever and serves queued requests in batches.
 
-    def __init__(self, retriever: Retriever, max_batch: int, max_wait_s: float) -> None:
+    A batch is at most `max_batch` queries. A request of up to `max_batch` queries is searched
+    whole; a larger one (with `split`) in pieces: each time it comes to the front of the queue
+    it fills the batch's remaining room, and what is left of it goes to the back of the queue
+    once that batch is served. Requests queued meanwhile are served in between, so one large
+    request holds up a small one for about one batch, not for its whole search. Its future gets
+    all pieces' hits, in query order, after the last piece. Without `split` a larger request is
+    searched alone in one call.
+    """
+
+    def __init__(self, retriever: Retriever, max_batch: int, max_wait_s: float,
+                 split: bool = True) -> None:
         self._retriever = retriever
         self._max_batch = max_batch
         self._max_wait_s = max_wait_s
+        self._split = split
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         # Guards "stopped?" + enqueue, so nothing is queued behind the stop sentinel and lost.
         self._lock = threading.Lock()
@@ -86,9 +104,12 @@ class _Batcher:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests, serve every one already queued (all pieces), then end the
+        worker; waits at most `timeout_s` for it."""
         with self._lock:
-            self._stopped = True
-            self._queue.put(None)
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -102,82 +123,118 @@ class _Batcher:
             self._queue.put(pending)
         return pending.future
 
+    def _piece(self, p: _Pending, room: int) -> int:
+        """How many of `p`'s remaining queries go into a batch with `room` queries free
+        (room == max_batch: an empty batch); 0: none, it waits for the next batch whole."""
+        left = len(p.queries) - p.served
+        if left <= room:
+            return left
+        if self._split and left > self._max_batch:
+            return room
+        return left if room == self._max_batch else 0
+
     def _run(self) -> None:
         held: _Pending | None = None  # took it from the queue, but it did not fit the last batch
         stopping = False
         while True:
-            if held is not None:
-                first, held = held, None
-            elif stopping:
-                return
-            else:
-                first = self._queue.get()
-                if first is None:
+            first, held = held, None
+            while first is None:
+                try:
+                    # once stopping, the queue holds only what was submitted before the stop
+                    # and this thread's own requeued pieces: drain it without waiting
+                    first = self._queue.get_nowait() if stopping else self._queue.get()
+                except queue.Empty:
                     return
-            batch, size = [first], len(first.queries)
+                stopping = stopping or first is None
+            batch = [(first, self._piece(first, self._max_batch))]
+            size = batch[0][1]
             deadline = time.monotonic() + self._max_wait_s
             while size < self._max_batch:
                 try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._queue.get_nowait() if stopping else self._queue.get(
+                        timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if item is None:
                     stopping = True
-                    break
-                if size + len(item.queries) > self._max_batch:
+                    continue
+                n = self._piece(item, self._max_batch - size)
+                if n == 0:
                     held = item
                     break
-                batch.append(item)
-                size += len(item.queries)
-            self._serve(batch)
+                batch.append((item, n))
+                size += n
+            for p in self._serve(batch):
+                self._queue.put(p)  # the rest of a large request: to the back of the queue
 
-    def _serve(self, batch: list[_Pending]) -> None:
-        # Requests whose client went away were cancelled; do not search for them.
-        batch = [p for p in batch if p.future.set_running_or_notify_cancel()]
+    def _search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        hits = self._retriever.search(queries, topk)
+        if len(hits) != len(queries):
+            raise RuntimeError(f"retriever returned {len(hits)} hit lists for {len(queries)} "
+                               "queries")
+        return hits
+
+    def _serve(self, batch: list[tuple[_Pending, int]]) -> list[_Pending]:
+        """Search the pieces (request, number of its next queries) of `batch` in one call;
+        returns the requests that have pieces left."""
+        # Requests whose client went away were cancelled; do not search for them. A request's
+        # future is claimed (running, so no longer cancellable) only for its last piece.
+        batch = [(p, n) for p, n in batch if (
+            p.future.set_running_or_notify_cancel() if p.served + n == len(p.queries)
+            else not p.future.cancelled())]
         if not batch:
-            return
-        queries = [q for p in batch for q in p.queries]
-        topk = max(p.topk for p in batch)
+            return []
+        queries = [q for p, n in batch for q in p.queries[p.served : p.served + n]]
+        topk = max(p.topk for p, _ in batch)
         start = time.perf_counter()
         try:
-            hits = self._retriever.search(queries, topk)
-            if len(hits) != len(queries):
-                raise RuntimeError(
-                    f"retriever returned {len(hits)} hit lists for {len(queries)} queries"
-                )
+            hits = self._search(queries, topk)
         except Exception as e:
             if len(batch) == 1:
-                log.exception("retrieval request of %d queries failed", len(queries))
-                batch[0].future.set_exception(e)
-                return
-            # one bad request must not fail the others merged with it: each alone, so only
-            # the failing ones get their error
+                self._fail(batch[0][0], e)
+                return []
+            # one bad request must not fail the others merged with it: each piece alone, so
+            # only the requests whose piece fails get their error
             log.warning("retrieval batch of %d requests failed (%s: %s); serving them one by "
                         "one", len(batch), type(e).__name__, e)
-            for p in batch:
-                self._serve_alone(p)
-            return
+            return [p for p, n in batch if self._serve_alone(p, n)]
         log.debug(
             "retrieval batch: %d requests, %d queries, topk %d, %.1f ms",
             len(batch), len(queries), topk, 1e3 * (time.perf_counter() - start),
         )
-        offset = 0
-        for p in batch:
-            p.future.set_result([h[: p.topk] for h in hits[offset : offset + len(p.queries)]])
-            offset += len(p.queries)
+        more, offset = [], 0
+        for p, n in batch:
+            if self._deliver(p, hits[offset : offset + n]):
+                more.append(p)
+            offset += n
+        return more
 
-
-    def _serve_alone(self, p: _Pending) -> None:
+    def _serve_alone(self, p: _Pending, n: int) -> bool:
+        """Search `p`'s next `n` queries on their own; True if `p` has pieces left."""
         try:
-            hits = self._retriever.search(p.queries, p.topk)
-            if len(hits) != len(p.queries):
-                raise RuntimeError(
-                    f"retriever returned {len(hits)} hit lists for {len(p.queries)} queries")
+            hits = self._search(p.queries[p.served : p.served + n], p.topk)
         except Exception as e:
-            log.exception("retrieval request of %d queries failed", len(p.queries))
+            self._fail(p, e)
+            return False
+        return self._deliver(p, hits)
+
+    @staticmethod
+    def _deliver(p: _Pending, hits: list[list[Hit]]) -> bool:
+        """Add the hits of `p`'s next piece; set its result after the last; True if more."""
+        p.hits.extend(h[: p.topk] for h in hits)
+        p.served += len(hits)
+        if p.served < len(p.queries):
+            return True
+        p.future.set_result(p.hits)
+        return False
+
+    @staticmethod
+    def _fail(p: _Pending, e: Exception) -> None:
+        """Fail the whole request `p` (its later pieces are not searched) unless cancelled."""
+        log.error("retrieval request of %d queries failed at queries %d+: %s: %s",
+                  len(p.queries), p.served, type(e).__name__, e, exc_info=e)
+        if p.future.running() or p.future.set_running_or_notify_cancel():
             p.future.set_exception(e)
-            return
-        p.future.set_result([h[: p.topk] for h in hits])
 
 
 def _not_utf8(queries: list[str]) -> int | None:
@@ -194,6 +251,7 @@ def _not_utf8(queries: list[str]) -> int | None:
 def build_app(
     retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float,
     max_request_queries: int = 4096, max_topk: int = 100, max_body_bytes: int = 16 * 2**20,
+    split_requests: bool = True,
 ) -> fastapi.FastAPI:
     """The FastAPI app serving `retriever` on Search-R1's `POST /retrieve`, plus `GET /health`.
 
@@ -203,13 +261,22 @@ def build_app(
     `max_request_queries` queries; 422: topk over `max_topk`, a query that is not text). A
     batch whose search fails is served again request by request, so a request that cannot be
     searched fails alone (500) and the others merged with it are answered.
+
+    Concurrent requests are merged into searches of at most `max_batch` queries. A request of
+    more than `max_batch` queries is searched in pieces of at most `max_batch`: after each
+    piece the rest of it goes to the back of the queue, so requests that arrived meanwhile are
+    served before its next piece (a small request waits about one batch, not the large
+    request's whole search). Its response holds all pieces' hits in query order; a piece that
+    fails fails that request alone, and its later pieces are not searched. At shutdown every
+    request already queued is served in full. `split_requests=False` searches a large request
+    in one call instead (for comparison).
     """
     if default_topk < 1 or max_batch < 1 or max_wait_ms < 0:
         raise ValueError(
             f"need default_topk >= 1, max_batch >= 1, max_wait_ms >= 0; got {default_topk}, "
             f"{max_batch}, {max_wait_ms}"
         )
-    batcher = _Batcher(retriever, max_batch, max_wait_ms / 1e3)
+    batcher = _Batcher(retriever, max_batch, max_wait_ms / 1e3, split=split_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI):

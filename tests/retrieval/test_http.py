@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from a2tgpo.retrieval.http import (
     HttpRetriever,
     RetrieverError,
     RetrieverUnavailable,
+    _Batcher,
     build_app,
 )
 
@@ -252,6 +254,110 @@ def test_one_bad_request_in_a_batch_fails_alone(base, fake):
     # "boom" was merged with others at first (the batch failed), then searched alone
     assert any("boom" in qs and len(qs) > 1 for qs, _ in fake.calls), fake.calls
     assert (["boom"], 1) in fake.calls
+
+
+class GatedFake(FakeRetriever):
+    """FakeRetriever whose searches wait for `gate`: requests queue up behind the first search
+    in a known order, whatever the timing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # a search has started
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return super().search(queries, topk)
+
+
+@pytest.fixture
+def gated():
+    """A batch worker of at most 8 queries per search over a GatedFake (gate closed)."""
+    fake = GatedFake()
+    batcher = _Batcher(fake, max_batch=8, max_wait_s=0.01)
+    batcher.start()
+    yield fake, batcher
+    fake.gate.set()
+    batcher.stop(5)
+
+
+def big(n: int) -> list[str]:
+    return [f"L{i}" for i in range(n)]
+
+
+def test_a_request_over_max_batch_is_served_in_pieces_as_if_unsplit(base, fake):
+    queries = big(20)
+    body = {"queries": queries, "topk": 2, "return_scores": True}
+    r = requests.post(f"{base}/retrieve", json=body, timeout=10)
+    assert r.status_code == 200
+    unsplit = FakeRetriever().search(queries, 2)  # one search of all 20
+    assert r.json()["result"] == [
+        [{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hs]
+        for hs in unsplit
+    ]
+    # max_batch 8: 20 = 8 + 8 + 4, searched in query order
+    assert [qs for qs, _ in fake.calls] == [queries[:8], queries[8:16], queries[16:]]
+
+
+def test_a_small_request_is_served_between_a_large_ones_pieces(gated):
+    fake, batcher = gated
+    large = batcher.submit(big(20), 1)
+    small = batcher.submit(["s"], 3)  # queued while the large request's first piece is searched
+    fake.gate.set()
+    # piece 1 fills a batch (8); the rest of the large request goes behind "s", whose batch it
+    # fills (1 + 7); the last piece is the other 20 - 8 - 7 = 5 queries
+    assert large.result(10) == FakeRetriever().search(big(20), 1)
+    assert small.result(10) == [expected_hits("s", 3)]
+    assert fake.calls == [(big(8), 1), (["s"] + big(15)[8:], 3), (big(20)[15:], 1)]
+    calls = [qs for qs, _ in fake.calls]
+    assert calls.index(next(c for c in calls if "s" in c)) < \
+        calls.index(next(c for c in calls if "L19" in c))
+
+
+def test_a_failing_piece_fails_its_request_alone_and_its_rest_is_not_searched(gated):
+    fake, batcher = gated
+    queries = big(20)
+    queries[10] = "boom"  # in the second piece (queries 8-13, after "a" and "b")
+    large = batcher.submit(queries, 1)
+    a, b = batcher.submit(["a"], 1), batcher.submit(["b"], 2)
+    fake.gate.set()
+    with pytest.raises(RuntimeError, match="index exploded"):
+        large.result(10)
+    assert a.result(10) == [expected_hits("a", 1)] and b.result(10) == [expected_hits("b", 2)]
+    # the merged batch failed; each piece alone: "a", "b" succeed, the large request's piece
+    # fails, and its last 6 queries are never searched
+    assert [qs for qs, _ in fake.calls] == [
+        queries[:8], ["a", "b"] + queries[8:14], ["a"], ["b"], queries[8:14]]
+    assert batcher.submit(["after"], 1).result(10) == [expected_hits("after", 1)]
+
+
+def test_stop_with_pieces_pending_serves_every_queued_request(gated):
+    fake, batcher = gated
+    large = batcher.submit(big(20), 2)
+    small = batcher.submit(["s"], 1)
+    batcher.stop(timeout_s=0.1)  # the worker is blocked in the first piece's search: returns
+    with pytest.raises(RuntimeError, match="not running"):
+        batcher.submit(["late"], 1)
+    fake.gate.set()
+    done, not_done = wait([large, small], timeout=10)
+    assert not not_done
+    assert large.result() == FakeRetriever().search(big(20), 2)
+    assert small.result() == [expected_hits("s", 1)]
+    # pieces of the large request were still queued after the stop, and were searched
+    assert [qs for qs, _ in fake.calls] == [big(8), ["s"] + big(15)[8:], big(20)[15:]]
+    batcher.stop(5)  # stop again: waits for the worker, which has ended
+    assert not batcher.running
+
+
+def test_a_cancelled_large_request_is_not_searched_further(gated):
+    fake, batcher = gated
+    large = batcher.submit(big(20), 1)
+    assert fake.entered.wait(10)
+    assert large.cancel()  # between pieces the request can still be cancelled
+    fake.gate.set()
+    assert batcher.submit(["s"], 1).result(10) == [expected_hits("s", 1)]
+    assert [qs for qs, _ in fake.calls] == [big(8), ["s"]]
 
 
 def test_a_query_that_is_not_text_is_refused_before_the_batch(base, fake):
