@@ -18,6 +18,13 @@ searchr1, whose raw ids repeat across data sources), `question` (stripped), `gol
 (non-empty list of stripped, non-empty strings), `source` (dataset: the source name, or the
 row's `data_source` for searchr1), `split` (the file's split), `group`, `hop_type`, `hops`.
 
+Answers are text whatever their JSON type: a number or boolean answer becomes its JSON text
+(`1912` -> "1912", `3.0` -> "3.0", `true` -> "true"; `answer_text`), so one numeric answer
+neither fails nor drops other rows. A null, list, object or non-finite number among the answers
+makes the row invalid. JSONL files are read line by line (`a2tgpo.data.jsonl`): a line that is
+not UTF-8, not JSON or not an object, and an empty file, always stop with the file and line;
+`on_invalid_row` applies to well-formed rows lacking a question, an id or valid answers.
+
 `prepare_data` writes `train.parquet` (all training sources minus the dev holdout),
 `dev.parquet`, `test/<name>.parquet` and, last, `summary.json`. Outputs are deterministic: the
 same inputs and seed give byte-identical parquet files.
@@ -27,14 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
+import math
 import re
-import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from a2tgpo.config import load_config, option
+from a2tgpo.data.jsonl import DataFileError, iter_jsonl
 from a2tgpo.io import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -58,7 +68,7 @@ class DatasetSource:
                              "(must be empty for searchr1)")
     split: str = option("auto", "split file to read; 'auto' = test if it exists, else dev "
                                 "(the Search-R1 / A2TGPO evaluation rule)")
-    limit: int | None = option(None, "keep only the first N rows of the file (small runs)")
+    limit: int | None = option(None, "keep only the first N rows of the file (small runs)", ge=1)
     revision: str | None = option(None, "hub revision (branch, tag or commit) to pin; hub only")
 
     def __post_init__(self) -> None:
@@ -81,8 +91,9 @@ class DataConfig:
     train: tuple[DatasetSource, ...] = option(doc="training sources, concatenated in this order")
     test: tuple[DatasetSource, ...] = option((), "evaluation sources, one test/<name>.parquet each")
     dev_size: int = option(0, "rows held out of the combined training rows (chosen by `seed`) "
-                              "as the dev split for checkpoint selection; disjoint from train")
-    seed: int = option(0, "seed of the dev holdout")
+                              "as the dev split for checkpoint selection; disjoint from train",
+                           ge=0)
+    seed: int = option(0, "seed of the dev holdout", ge=0)
     on_invalid_row: Literal["error", "drop"] = option(
         "error", "a row without a question or golden answers: 'error' stops, 'drop' skips and "
                  "counts it (reported in summary.json)")
@@ -225,6 +236,15 @@ def _meta_of(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row[f"metadata.{k}"] for k in _META_KEYS if f"metadata.{k}" in row}
 
 
+def answer_text(value: Any) -> Any:
+    """A golden answer as text: a string as is; a number or boolean as its JSON text
+    (1912 -> "1912", 3.0 -> "3.0", true -> "true"); anything else (null, a list, NaN) unchanged,
+    for the caller to reject."""
+    if isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value)):
+        return json.dumps(value)
+    return value
+
+
 def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str, Any]:
     """One raw (flattened) row -> a `row_schema()` dict; ValueError (no location) if invalid."""
     raw_id = row.get("id")
@@ -239,8 +259,10 @@ def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str,
     answers = row.get(answers_key)
     if not isinstance(answers, list) or not answers:
         raise ValueError(f"{answers_key} must be a non-empty list, got {answers!r}")
+    answers = [answer_text(a) for a in answers]
     if not all(isinstance(a, str) and a.strip() for a in answers):
-        raise ValueError(f"{answers_key} must hold non-empty strings, got {answers!r}")
+        raise ValueError(f"{answers_key} must hold non-empty strings or numbers, got "
+                         f"{row.get(answers_key)!r}")
     if src.loader == "flashrag":
         dataset, row_id = src.subset, f"{src.name}/{raw_id}"
         source = src.name
@@ -275,47 +297,63 @@ class LoadedSource:
 def load_source(
     src: DatasetSource, on_invalid_row: Literal["error", "drop"] = "error"
 ) -> LoadedSource:
-    """Resolve, load (through `datasets`) and normalise one source.
+    """Resolve, read and normalise one source.
 
-    An invalid row raises ValueError naming the file, the 0-based row index and the raw id, or
-    with on_invalid_row="drop" is skipped, counted and logged.
+    An unreadable file (not UTF-8, a line that is not a JSON object, an empty JSONL file, a
+    damaged parquet file) raises DataFileError naming the file and line. An invalid row raises
+    DataFileError naming the file, the line (JSONL; 1-based) or row (parquet; 0-based) and the
+    raw id, or with on_invalid_row="drop" is skipped, counted and logged.
     """
-    import datasets
-
     file = resolve_file(src)
-    answers_key = ANSWERS_COLUMN[src.loader]
-    # Dataset.from_json/from_parquet run the same builders as load_dataset("json"|"parquet")
-    # but skip its download-count HEAD request to the hub, which stalls for seconds offline.
-    # A throw-away Arrow cache: the conversion is cheap, and a persistent cache keyed on path
-    # and mtime could serve a stale copy of an edited local file.
-    read = datasets.Dataset.from_json if src.loader == "flashrag" else datasets.Dataset.from_parquet
-    with tempfile.TemporaryDirectory(prefix="a2tgpo-qa-") as cache:
-        ds = read(str(file.path), cache_dir=cache)
-        if src.limit is not None:
-            ds = ds.select(range(min(src.limit, len(ds))))
-        ds = ds.flatten()  # nested columns -> "a.b" columns, so only the needed ones are read
-        if src.loader == "searchr1":
-            for col in ("id", "question", "data_source", answers_key):
-                if col not in ds.column_names:
-                    raise ValueError(f"{file.display}: no column {col!r} (a Search-R1 parquet "
-                                     f"file has it); columns: {ds.column_names}")
-        wanted = {"id", "question", answers_key, "data_source", "metadata",
-                  *(f"metadata.{k}" for k in _META_KEYS)}
-        raw_rows = ds.select_columns([c for c in ds.column_names if c in wanted]).to_list()
-
+    read = _read_jsonl if src.loader == "flashrag" else _read_parquet
     rows, errors = [], []
-    for i, raw in enumerate(raw_rows):
+    for where, raw in read(file, src):
         try:
             rows.append(_normalise(raw, src, file.split))
         except ValueError as e:
-            msg = f"{file.display}: row {i} (id {raw.get('id')!r}): {e}"
+            msg = f"{file.display} {where} (id {raw.get('id')!r}): {e}"
             if on_invalid_row == "error":
-                raise ValueError(msg) from None
+                raise DataFileError(msg) from None
             errors.append(msg)
     if errors:
         log.warning("%s: dropped %d invalid rows; first: %s", file.display, len(errors), errors[0])
     _check_unique_ids(rows, file.display)
     return LoadedSource(src, file, rows, len(errors))
+
+
+def _read_jsonl(file: ResolvedFile, src: DatasetSource) -> Iterator[tuple[str, dict]]:
+    # Read as Python values, not through an Arrow table: Arrow infers one type per column, so
+    # an answer written as a number (1912) either fails the other rows' string answers or
+    # turns the whole column into JSON values; here each row keeps its own types.
+    for n, (lineno, row) in enumerate(iter_jsonl(file.path, file.display)):
+        if src.limit is not None and n >= src.limit:
+            return
+        yield f"line {lineno}", row
+
+
+def _read_parquet(file: ResolvedFile, src: DatasetSource) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file.path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataFileError(f"{file.display}: not a readable parquet file ({e})") from None
+    if src.limit is not None:
+        table = table.slice(0, src.limit)
+    # nested columns -> "a.b" columns, so only the needed ones are converted to Python
+    while any(pa.types.is_struct(f.type) for f in table.schema):
+        table = table.flatten()
+    answers_key = ANSWERS_COLUMN[src.loader]
+    for col in ("id", "question", "data_source", answers_key):
+        if col not in table.column_names:
+            raise DataFileError(f"{file.display}: no column {col!r} (a Search-R1 parquet "
+                                f"file has it); columns: {table.column_names}")
+    wanted = {"id", "question", answers_key, "data_source", "metadata",
+              *(f"metadata.{k}" for k in _META_KEYS)}
+    table = table.select([c for c in table.column_names if c in wanted])
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", row
 
 
 def _check_unique_ids(rows: list[dict[str, Any]], where: str) -> None:

@@ -7,6 +7,10 @@ default, as Search-R1; IVF-PQ and HNSW selectable), checks that the index holds 
 vector per corpus passage, and writes it atomically with a metadata file. Search-R1's prebuilt
 e5 Flat index can be used instead of encoding; the same count check applies.
 
+Check (`a2tgpo check-index`): besides the count, `check_alignment` re-encodes a fixed sample of
+passages and checks that index row i holds corpus row i's vector, which a count cannot see (an
+index of the right size built from rows in another order, or from another corpus).
+
 Load: the memory the index needs is estimated from its file before reading it; with faiss-gpu
 installed the index is sharded across all visible GPUs in fp16, as Search-R1's server does.
 """
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class IndexMismatch(ValueError):
-    """The index and the corpus disagree (vector count, dimension or encoder)."""
+    """The index and the corpus disagree (vector count, dimension, row alignment or encoder)."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +46,17 @@ class IndexConfig:
         "faiss index_factory string: Flat (exact, Search-R1's choice), HNSW32, "
         "IVF4096,PQ64, ...; the metric is always inner product.",
     )
-    num_shards: int = option(2, "Corpus encoding jobs (one Snakemake job per shard).")
+    num_shards: int = option(2, "Corpus encoding jobs (one Snakemake job per shard).", ge=1)
     chunk_size: int = option(
-        10_000, "Rows per saved chunk inside a shard job (the unit a killed job resumes from)."
+        10_000, "Rows per saved chunk inside a shard job (the unit a killed job resumes from).",
+        ge=1
     )
     train_size: int = option(
-        200_000, "Vectors sampled to train indexes that need it (IVF, PQ); capped at the corpus."
+        200_000, "Vectors sampled to train indexes that need it (IVF, PQ); capped at the corpus.",
+        ge=1
     )
-    nprobe: int = option(64, "IVF lists probed per query.")
-    ef_search: int = option(128, "HNSW search depth (efSearch).")
+    nprobe: int = option(64, "IVF lists probed per query.", ge=1)
+    ef_search: int = option(128, "HNSW search depth (efSearch).", ge=1)
     prebuilt: str | None = option(
         None, "Path to a prebuilt index (e.g. Search-R1's e5_Flat.index) to use instead of "
         "encoding the corpus; null = build.",
@@ -61,9 +67,9 @@ class IndexConfig:
     dim: int | None = option(
         None, "Width of the index's vectors (the encoder's hidden size: 768 for e5-base-v2), "
         "checked when the index loads; lets `a2tgpo plan` size a Flat index not on disk yet "
-        "(corpus rows x dim x 4 B). null = the encoder's config.json when it is on disk.")
+        "(corpus rows x dim x 4 B). null = the encoder's config.json when it is on disk.", ge=1)
     max_memory_fraction: float = option(
-        0.9, "Refuse to load an index estimated to need more than this fraction of free RAM."
+        0.9, "Refuse to load an index estimated to need more than this fraction of free RAM.", gt=0
     )
 
     def __post_init__(self) -> None:
@@ -170,6 +176,118 @@ def check_count(ntotal: int, n_passages: int, where) -> None:
             "passages; faiss ids are corpus row numbers, so every hit would return the wrong "
             "passage. Rebuild the index from this corpus (or point to the matching corpus)."
         )
+
+
+# Re-encoding a passage with the encoder that built the index reproduces its vector up to
+# rounding: measured on the toy corpus with MiniLM, cosine >= 0.99999 between fp32 runs with
+# other batchings, and >= 0.99993 between an fp16 or bf16 encoding and an fp32 one (a GPU build
+# checked on CPU). Two different passages score far lower unless their texts nearly coincide
+# (then a shift between them is nearly harmless too): at most 0.77 between any two toy
+# passages. 0.99 rejects a shifted or foreign row with room to spare for precision.
+ALIGNMENT_MIN_COSINE = 0.99
+# For indexes that store codes, not vectors (PQ, SQ, ...): a row passes when its own re-encoded
+# passage finds it among the top SEARCH_K hits scoring within SEARCH_REL_TOL of the best hit
+# (duplicate passages tie; quantization shifts scores by a few hundredths); approximate search
+# may miss a row now and then, so SEARCH_MIN_PASS of the sample must pass. In a shifted index a
+# row holds another passage's vector and scores ~0.3-0.5 below the best hit.
+SEARCH_K, SEARCH_REL_TOL, SEARCH_MIN_PASS = 10, 0.05, 0.9
+
+
+def alignment_rows(n_rows: int, size: int, seed: int = 0) -> np.ndarray:
+    """A fixed sample of `min(size, n_rows)` distinct rows spread over the corpus: one drawn
+    (seeded) from each of `size` equal strata, then the first and last rows put in place of
+    their strata's draws, so an index offset at either end is always seen. Sorted."""
+    if size < 2:
+        raise ValueError(f"the alignment sample needs at least 2 rows, got {size}")
+    k = min(size, n_rows)
+    if k == n_rows:
+        return np.arange(n_rows)
+    edges = np.arange(k + 1) * n_rows // k  # strictly increasing since n_rows > k
+    rows = np.random.default_rng(seed).integers(edges[:-1], edges[1:])
+    rows[0], rows[-1] = 0, n_rows - 1
+    return rows
+
+
+def _stores_vectors(index) -> bool:
+    """Whether `index.reconstruct(i)` returns row i's vector exactly (as added, in fp32)."""
+    import faiss
+
+    idx = faiss.downcast_index(index)
+    return isinstance(idx, faiss.IndexFlat | faiss.IndexHNSWFlat | faiss.IndexIVFFlat
+                      | faiss.IndexRefineFlat)
+
+
+def check_alignment(index, docs, encoder, where, *, sample: int = 32, seed: int = 0,
+                    min_cosine: float = ALIGNMENT_MIN_COSINE) -> dict:
+    """Check that index row i holds the vector of corpus row i, on a fixed sample of rows.
+
+    The sampled passages (`alignment_rows`) are re-encoded with `encoder`, which must be
+    configured as the build's was. Indexes that store the vectors (Flat, HNSW*Flat, IVF*Flat)
+    compare each with its stored vector (`reconstruct`): every cosine must reach
+    `min_cosine`. Others are searched with the re-encoded vectors (SEARCH_* above). Raises
+    IndexMismatch naming the first misaligned rows, their corpus ids and where their passages
+    are stored instead; returns what was checked (for the check record).
+    """
+    import faiss
+
+    if index.d != encoder.dim:
+        raise IndexMismatch(f"{where}: vectors of width {index.d}, but the configured encoder "
+                            f"gives {encoder.dim}: the index was built with another encoder")
+    rows = alignment_rows(index.ntotal, sample, seed)
+    got = docs.get(rows.tolist())
+    q = encoder.encode([r["contents"] for r in got], "passage")  # (S, D)
+    exact = _stores_vectors(index)
+    record = {"rows": rows.tolist(), "seed": seed, "encoder": getattr(encoder.cfg, "model", None),
+              "method": "reconstruct" if exact else "search"}
+    if exact:
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None:
+            ivf.make_direct_map()  # IVF lists are unordered; reconstruct needs the row -> slot map
+        stored = np.stack([index.reconstruct(int(r)) for r in rows])  # (S, D)
+        score = _cosine(q, stored)  # (S,)
+        bad = np.flatnonzero(score < min_cosine)
+        record |= {"min_cosine": float(score.min()), "required_cosine": min_cosine}
+        need = f"cosine >= {min_cosine} between each re-encoded passage and its stored vector"
+    else:
+        k = min(SEARCH_K, index.ntotal)
+        scores, hits = index.search(q, k)  # (S, k) each
+        score = np.full(len(rows), -np.inf, dtype=np.float32)  # own score (-inf: not in top k)
+        for j, r in enumerate(rows):
+            where_r = np.flatnonzero(hits[j] == r)
+            if len(where_r):
+                score[j] = scores[j, where_r[0]]
+        passed = score >= scores[:, 0] - SEARCH_REL_TOL * np.abs(scores[:, 0])
+        bad = np.flatnonzero(~passed)
+        record |= {"passed": int(passed.sum()), "required_fraction": SEARCH_MIN_PASS,
+                   "top_k": k}
+        need = (f"each row among its own re-encoded passage's top {k} hits within "
+                f"{SEARCH_REL_TOL:.0%} of the best score, for >= {SEARCH_MIN_PASS:.0%} of rows")
+    failed = len(bad) > 0 if exact else passed.mean() < SEARCH_MIN_PASS
+    log.info("alignment (%s): re-encoded %d corpus rows (first %d, last %d, seed %d) with %s; "
+             "%d of them misaligned; required: %s", record["method"], len(rows), rows[0],
+             rows[-1], seed, record["encoder"], len(bad), need)
+    if failed:
+        _, found = index.search(q[bad[:5]], 1)  # where each passage's vector really is
+        first = "; ".join(
+            f"row {rows[j]} (id {got[j]['id']!r}): "
+            + (f"cosine {score[j]:.3f}" if exact else
+               ("not in the top hits" if np.isinf(score[j]) else f"score {score[j]:.3f} vs "
+                f"best {scores[j, 0]:.3f}"))
+            + f", its passage is nearest to index row {int(found[i, 0])}"
+            for i, j in enumerate(bad[:5]))
+        raise IndexMismatch(
+            f"{where}: index rows do not hold the vectors of the same corpus rows: re-encoded "
+            f"{len(rows)} sampled passages with the configured encoder ({record['encoder']}); "
+            f"{len(bad)} failed (required: {need}). First: {first}. The index was built from "
+            "another corpus, another row order or another encoder configuration; rebuild it "
+            "from this corpus, or point to the corpus and encoder it was built with.")
+    return record
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of (S, D) arrays; 0 where either row is zero."""
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.where(norms > 0, (a * b).sum(1) / np.maximum(norms, 1e-30), 0.0)
 
 
 def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup",

@@ -20,6 +20,7 @@ import pytest
 
 from a2tgpo.config import ConfigError, from_dict, load_config
 from a2tgpo.data import qa
+from a2tgpo.data.jsonl import DataFileError
 from a2tgpo.data.qa import DataConfig, DatasetSource, load_source, load_split, prepare_data
 
 
@@ -239,7 +240,7 @@ def test_invalid_row_error_names_file_row_and_id(tmp_path, bad, problem):
                        [{"id": "test_0", "question": "q", "golden_answers": ["a"]}, bad])
     with pytest.raises(ValueError) as e:
         load_source(flashrag(tmp_path, "nq"))
-    assert f"{path}: row 1 (id 'test_1'): " in str(e.value)
+    assert f"{path} line 2 (id 'test_1'): " in str(e.value)  # the second line of the file
     assert problem in str(e.value)
 
 
@@ -273,7 +274,95 @@ def test_drop_mode_counts_and_reports(tmp_path, caplog):
     assert json.loads((tmp_path / "out/summary.json").read_text()) == summary
     kept = [r["id"] for r in load_split(tmp_path / "out/train.parquet")]
     assert kept == ["nq/train_0", "nq/train_3"]
-    assert "dropped 2 invalid rows" in caplog.text and "row 1 (id 'train_1')" in caplog.text
+    assert "dropped 2 invalid rows" in caplog.text and "line 2 (id 'train_1')" in caplog.text
+
+
+@pytest.mark.parametrize("on_invalid_row", ["error", "drop"])
+def test_numeric_and_boolean_answers_are_read_as_text(tmp_path, on_invalid_row):
+    # The number comes first: an Arrow reader infers the column's type from it, then either
+    # rejects the valid string rows or the numeric one; read as JSON values, every row is kept.
+    write_jsonl(tmp_path / "nq/test.jsonl", [
+        {"id": "test_0", "question": "When did the Titanic sink?", "golden_answers": [1912]},
+        {"id": "test_1", "question": "q1", "golden_answers": ["x"]},
+        {"id": "test_2", "question": "q2", "golden_answers": ["three", 3.0, True, 0]},
+    ])
+    cfg = DataConfig(train=(), test=(flashrag(tmp_path, "nq", group="single_hop"),),
+                     on_invalid_row=on_invalid_row)
+    (loaded,) = [load_source(s, cfg.on_invalid_row) for s in cfg.test]
+    assert loaded.dropped == 0
+    # JSON text of each value: 3.0 stays "3.0" (not "3"), true is "true" (not Python's "True")
+    assert [r["golden_answers"] for r in loaded.rows] == [
+        ["1912"], ["x"], ["three", "3.0", "true", "0"]]
+
+
+@pytest.mark.parametrize("answers", [[None], ["a", None], [["a"]], [{"a": 1}], [float("nan")]])
+def test_null_or_nested_answer_is_an_invalid_row(tmp_path, answers):
+    path = write_jsonl(tmp_path / "nq/test.jsonl", [
+        {"id": "test_0", "question": "q", "golden_answers": ["a"]},
+        {"id": "test_1", "question": "q", "golden_answers": answers},  # json writes nan as NaN
+    ])
+    with pytest.raises(ValueError, match=f"{path} line 2 \\(id 'test_1'\\): golden_answers"):
+        load_source(flashrag(tmp_path, "nq"))
+    loaded = load_source(flashrag(tmp_path, "nq"), "drop")
+    assert loaded.dropped == 1 and [r["id"] for r in loaded.rows] == ["nq/test_0"]
+
+
+def write_lines(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+GOOD = b'{"id": "test_0", "question": "q", "golden_answers": ["a"]}\n'
+
+
+@pytest.mark.parametrize("data, message", [
+    # line 3 lacks the comma after "q": '{"id": "test_1", ' is 17 characters, '"question":
+    # "q" ' 16 more, so json expects the delimiter at column 34
+    (GOOD + b"\n" + b'{"id": "test_1", "question": "q" "golden_answers": ["a"]}\n',
+     "line 3: not valid JSON: Expecting ',' delimiter (column 34)"),
+    (GOOD + b'{"id": "test_1", "question": "q", "golden_ans\n', "line 2: not valid JSON"),
+    # 0xff is the 19th byte of line 2: '{"id": "x", "q": "' is 18 bytes
+    (GOOD + b'{"id": "x", "q": "\xff"}\n', "line 2: not UTF-8 (byte 0xff at column 19)"),
+    (GOOD + b"[1, 2]\n", "line 2: not a JSON object but a list"),
+    (b"", ": empty file"),
+    (b"\n  \n", ": empty file"),
+])
+@pytest.mark.parametrize("on_invalid_row", ["error", "drop"])
+def test_unreadable_jsonl_names_file_and_line(tmp_path, data, message, on_invalid_row):
+    path = write_lines(tmp_path / "nq/test.jsonl", data)
+    with pytest.raises(DataFileError) as e:  # malformed lines stop even with "drop"
+        load_source(flashrag(tmp_path, "nq"), on_invalid_row)
+    assert str(e.value).startswith(f"{path}")
+    assert message in str(e.value)
+
+
+def test_blank_lines_and_a_bom_are_skipped_and_lines_still_counted(tmp_path):
+    path = write_lines(tmp_path / "nq/test.jsonl", b"\xef\xbb\xbf" + GOOD + b"\n\n"
+                       + b'{"id": "test_1", "question": "", "golden_answers": ["a"]}\n')
+    loaded = load_source(flashrag(tmp_path, "nq"), "drop")
+    assert [r["id"] for r in loaded.rows] == ["nq/test_0"] and loaded.dropped == 1
+    # lines 2 and 3 are blank: the bad row is line 4, though it is the second row
+    with pytest.raises(DataFileError, match=f"{path} line 4 \\(id 'test_1'\\): missing"):
+        load_source(flashrag(tmp_path, "nq"))
+
+
+def test_unreadable_parquet_names_the_file(tmp_path):
+    path = write_lines(tmp_path / "train.parquet", b"PAR1 not really parquet")
+    src = DatasetSource(name="x", loader="searchr1", repo=str(tmp_path), split="train",
+                        group="mixed")
+    with pytest.raises(DataFileError, match=f"{path}: not a readable parquet file"):
+        load_source(src)
+
+
+def test_searchr1_numeric_targets_are_text(tmp_path):
+    # a parquet column of integer answers (list<int64>): every row, not only some, is numeric
+    row = searchr1_row("nq", 0, "In which year did the Titanic sink?", ["1912"])
+    row["reward_model"]["ground_truth"]["target"] = [1912]
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "train.parquet")
+    src = DatasetSource(name="x", loader="searchr1", repo=str(tmp_path), split="train",
+                        group="mixed")
+    assert load_source(src).rows[0]["golden_answers"] == ["1912"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +485,7 @@ NQ = {"loader": "flashrag", "subset": "nq", "group": "single_hop"}
      r"data\.train\[0\]: subset '': the flashrag loader"),
     ({"loader": "searchr1", "subset": "nq", "group": "mixed"}, r"data\.train\[0\]: subset is only"),
     ({**NQ, "group": "singlehop"}, r"data\.train\[0\]\.group: expected one of"),
-    ({**NQ, "limit": 0}, r"data\.train\[0\]: limit must be >= 1"),
+    ({**NQ, "limit": 0}, r"data\.train\[0\]\.limit: 0 is out of range: must be >= 1"),
     ({**NQ, "split": "../x"}, r"data\.train\[0\]: split '\.\./x'"),
 ])
 def test_config_value_errors(tmp_path, entry, message):

@@ -54,6 +54,54 @@ def test_corpus_index_mismatch_via_cli(built, tmp_path, capsys):
     assert not (tmp_path / "c.json").exists()
 
 
+def test_check_index_checks_count_contents_and_alignment(built, tmp_path):
+    d, cfg, corpus = built
+    out = tmp_path / "check.json"
+    assert main(["check-index", str(cfg), "--corpus", corpus, "--index", str(d / "i.faiss"),
+                 "--sample-rows", "8", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    n = len(Path(corpus).read_text().splitlines())
+    assert record["ntotal"] == record["contents_checked"] == n
+    a = record["alignment"]
+    assert a["method"] == "reconstruct" and len(a["rows"]) == 8
+    assert a["rows"][0] == 0 and a["rows"][-1] == n - 1 and a["min_cosine"] >= 0.99
+
+
+def test_check_index_refuses_a_shifted_index_of_the_right_size(built, tmp_path, capsys):
+    import numpy as np
+
+    from a2tgpo.retrieval.index import IndexConfig, build_index
+
+    d, cfg, corpus = built
+    vectors = np.concatenate([np.load(d / "s0.npy"), np.load(d / "s1.npy")])
+    np.save(tmp_path / "rolled.npy", np.roll(vectors, 1, axis=0))  # row i holds row i-1's vector
+    build_index([tmp_path / "rolled.npy"], IndexConfig(), len(vectors), tmp_path / "r.faiss", {})
+    out = tmp_path / "check.json"
+    assert main(["check-index", str(cfg), "--corpus", corpus, "--index",
+                 str(tmp_path / "r.faiss"), "--sample-rows", "8", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    first_id = json.loads(Path(corpus).read_text().splitlines()[0])["id"]
+    assert "index rows do not hold the vectors of the same corpus rows" in err
+    # corpus row 0's vector was rolled to index row 1
+    assert f"First: row 0 (id {first_id!r}): cosine" in err
+    assert "its passage is nearest to index row 1" in err
+    assert not out.exists()
+
+
+def test_check_index_refuses_a_corpus_row_without_contents(built, tmp_path, capsys):
+    d, cfg, corpus = built
+    rows = Path(corpus).read_text().splitlines()
+    rows[4] = json.dumps({"id": json.loads(rows[4])["id"], "contents": None})
+    bad = tmp_path / "c.jsonl"
+    bad.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "check.json"
+    # same row count as the index: only the contents check can refuse it
+    assert main(["check-index", str(cfg), "--corpus", str(bad), "--index", str(d / "i.faiss"),
+                 "--out", str(out)]) == 1
+    assert f"{bad} line 5: 'contents' is not a string but null" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

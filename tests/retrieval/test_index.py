@@ -10,7 +10,9 @@ from a2tgpo.retrieval.docstore import DocStore
 from a2tgpo.retrieval.index import (
     IndexConfig,
     IndexMismatch,
+    alignment_rows,
     build_index,
+    check_alignment,
     encode_shard,
     load_index,
     shard_range,
@@ -160,3 +162,94 @@ def test_the_memory_guard_reads_the_jobs_cgroup_limit(tmp_path):
     proc, root = _cgroup_tree(tmp_path / "none", ["3:cpu:/"], {})
     assert cgroup_memory_left(proc, root) is None
     assert cgroup_memory_left(str(tmp_path / "missing"), root) is None
+
+
+# --------------------------------------------------------------------------------------------
+# alignment: index row i must hold corpus row i's vector
+
+
+def test_alignment_sample_is_spread_seeded_and_holds_both_ends():
+    rows = alignment_rows(1000, 16)
+    assert len(rows) == 16 and rows[0] == 0 and rows[-1] == 999
+    # one row per stratum of 1000 // 16 = 62 or 63 rows: sorted, distinct, spread
+    assert all(k * 1000 // 16 <= r < (k + 1) * 1000 // 16 for k, r in enumerate(rows))
+    assert (alignment_rows(1000, 16) == rows).all()  # fixed for a seed
+    assert (alignment_rows(1000, 16, seed=1)[1:-1] != rows[1:-1]).any()
+    assert alignment_rows(5, 32).tolist() == [0, 1, 2, 3, 4]  # a small corpus: every row
+
+
+def flat_index(vectors: np.ndarray, path, factory: str = "Flat", nprobe: int = 4):
+    """An index of exactly `vectors` (row i = vectors[i]), written and loaded like a built one."""
+    import dataclasses
+
+    cfg = dataclasses.replace(IndexConfig(), factory=factory, nprobe=nprobe)
+    np.save(path.with_suffix(".npy"), vectors)
+    build_index([path.with_suffix(".npy")], cfg, len(vectors), path, {})
+    return load_index(path, cfg, len(vectors))
+
+
+@pytest.fixture(scope="module")
+def vectors(built):
+    _, _, _, shards = built
+    return np.concatenate([np.load(p) for p in shards])
+
+
+@pytest.mark.parametrize("factory, method", [("Flat", "reconstruct"), ("HNSW16", "reconstruct"),
+                                             ("IVF4,Flat", "reconstruct"),
+                                             ("IVF2,SQ8", "search")])
+def test_aligned_index_passes(built, vectors, encoder, tmp_path, factory, method):
+    _, docs, _, _ = built
+    index = flat_index(vectors, tmp_path / "i.faiss", factory)
+    record = check_alignment(index, docs, encoder, "i.faiss", sample=16)
+    assert record["method"] == method and record["rows"] == alignment_rows(len(docs), 16).tolist()
+    if method == "reconstruct":
+        assert record["min_cosine"] > 0.9999  # the same encoder in fp32 twice
+    else:
+        assert record["passed"] >= 0.9 * 16
+
+
+def test_a_lower_precision_encoder_passes(built, vectors, tmp_path):
+    # a GPU build encodes in fp16/bf16 and check-index re-encodes on CPU in fp32, or the reverse
+    # as here: an fp32 index checked with bf16 weights (bf16 differs more than fp16)
+    from a2tgpo.retrieval.encoders import Encoder, EncoderConfig
+
+    _, docs, _, _ = built
+    bf16 = Encoder(EncoderConfig(batch_size=16, dtype="bfloat16", device="cpu"))
+    record = check_alignment(flat_index(vectors, tmp_path / "i.faiss"), docs, bf16, "i.faiss",
+                             sample=8)
+    # measured 1 - cosine ~6e-5: a real difference, far inside the 0.99 threshold
+    assert 1e-5 < 1 - record["min_cosine"] < 1e-3
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "IVF2,SQ8"])
+def test_shifted_index_of_the_right_size_is_caught(built, vectors, encoder, tmp_path, factory):
+    _, docs, _, _ = built
+    n = len(docs)
+    # rows 1..n-1, then row 0: the count matches, every row holds its successor's vector
+    index = flat_index(np.roll(vectors, -1, axis=0), tmp_path / "i.faiss", factory)
+    assert index.ntotal == n
+    with pytest.raises(IndexMismatch) as e:
+        check_alignment(index, docs, encoder, "i.faiss", sample=16)
+    msg = str(e.value)
+    first_id = docs.get([0])[0]["id"]
+    # corpus row 0's vector sits at index row n - 1; the sample's first row is row 0
+    assert msg.startswith("i.faiss: index rows do not hold the vectors of the same corpus rows")
+    # every sampled row fails: a successor passage scores <= 0.77 against the re-encoded one
+    # (toy corpus, MiniLM), far from both the cosine threshold and the search tolerance
+    assert " 16 sampled passages " in msg and "; 16 failed " in msg
+    assert f"First: row 0 (id {first_id!r}): " in msg
+    assert f"its passage is nearest to index row {n - 1}" in msg
+
+
+def test_index_of_another_corpus_is_caught(built, encoder, tmp_path):
+    _, docs, _, _ = built
+    # unit vectors of the encoder's width that no passage of this corpus encodes to
+    other = np.random.default_rng(0).standard_normal((len(docs), encoder.dim), np.float32)
+    other /= np.linalg.norm(other, axis=1, keepdims=True)
+    index = flat_index(other, tmp_path / "i.faiss")
+    with pytest.raises(IndexMismatch, match=r" 8 sampled passages .*; 8 failed .*cosine >= 0\.99"):
+        check_alignment(index, docs, encoder, "i.faiss", sample=8)
+    # and a different width is named as such
+    with pytest.raises(IndexMismatch, match="vectors of width 8, but the configured encoder"):
+        check_alignment(flat_index(other[:, :8].copy(), tmp_path / "n.faiss"), docs, encoder,
+                        "n.faiss")

@@ -40,11 +40,13 @@ rule build_index:
 
 
 rule check_index:
-    """A prebuilt index (e.g. Search-R1's e5_Flat.index) must hold one vector per passage."""
+    """The index (a prebuilt one, e.g. Search-R1's e5_Flat.index, or ours) must hold one vector
+    per passage, row for row: a sample of passages is re-encoded with the configured encoder."""
     input:
         cfg=f"{R}/configs/retrieval.yaml",
         corpus=corpus_file(),
         index=index_file(),
+        encoder=ENCODER_INPUTS,
     output:
         f"{R}/index/check.json",
     log:
