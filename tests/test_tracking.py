@@ -1,21 +1,29 @@
 """Tracker: metrics.jsonl contents, the MLflow run (tags, params, history, artifact, status),
-resume and attach by run id, and tracking failures that must not stop the job.
+resume and attach by run id, tracking failures that must not stop (or stall) the job, the
+best-effort experiment rule, and `sync-mlflow` replaying what MLflow missed.
 
 One sqlite store is shared by the module: creating it (schema migrations) is the slow part.
 """
 
+import http.server
 import json
 import logging
+import math
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+from a2tgpo.cli import main
 from a2tgpo.tracking import (
     RUN_LINK_FILE,
     Tracker,
     TrackingConfig,
+    ensure_experiment,
     init_experiment,
     read_metrics,
     resolve_tracking_uri,
@@ -197,8 +205,6 @@ def test_tracking_failure_warns_once_and_jsonl_goes_on(broken, tmp_path, caplog,
     results = tmp_path / "results"
     cfg = TrackingConfig(log_every=1)
     if broken == "server_down":
-        # mlflow's default retry schedule would take minutes before reporting the failure
-        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         cfg = TrackingConfig(tracking_uri=f"http://127.0.0.1:{_closed_port()}", log_every=1)
     elif broken == "sqlite_path":
         (tmp_path / "file").write_text("not a folder")
@@ -248,12 +254,219 @@ def test_read_metrics_ignores_truncated_last_line_only(tmp_path, caplog):
         read_metrics(tmp_path)
 
 
-def test_config_rejects_nonpositive_log_every():
-    with pytest.raises(ValueError, match="log_every"):
-        TrackingConfig(log_every=0)
+@pytest.mark.parametrize("bad", [{"log_every": 0}, {"timeout_s": 0.0}, {"timeout_s": -1.0},
+                                 {"timeout_s": math.nan}, {"timeout_s": math.inf}])
+def test_config_rejects_nonpositive_log_every_and_timeout(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TrackingConfig(**bad)
 
 
 def test_import_is_cheap():
     # importing mlflow costs about a second; a job with mlflow off must never pay it
     code = "import sys, a2tgpo.tracking; assert 'mlflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- a tracking server that is down or breaks must not stall the job ---------------------------
+
+MLFLOW_HTTP_ENV = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                   "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER")
+
+
+@pytest.fixture
+def http_attempts(monkeypatch):
+    """Every HTTP attempt of the test, retries included, as (path, connect timeout, read
+    timeout); the environment starts without mlflow's HTTP settings (mlflow's defaults)."""
+    from urllib3.connectionpool import HTTPConnectionPool
+
+    for name in MLFLOW_HTTP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    attempts = []
+    urlopen = HTTPConnectionPool.urlopen  # urllib3 retries by calling urlopen again
+
+    def spy(self, method, url, *args, **kwargs):
+        timeout = kwargs["timeout"]
+        attempts.append((url.split("?")[0], timeout.connect_timeout, timeout.read_timeout))
+        return urlopen(self, method, url, *args, **kwargs)
+
+    monkeypatch.setattr(HTTPConnectionPool, "urlopen", spy)
+    return attempts
+
+
+@pytest.fixture
+def broken_server():
+    """(uri, API paths requested) of an HTTP server whose /health answers 200 and every other
+    path 503: a tracking server whose store broke after the job's probe."""
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            if path != "/health":
+                hits.append(path)
+            self.send_response(200 if path == "/health" else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    server.shutdown()
+    server.server_close()
+
+
+def test_dead_server_costs_one_probe_then_one_warning(tmp_path, caplog, http_attempts):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    cfg = TrackingConfig(tracking_uri=uri, log_every=1, timeout_s=2.0)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+        with tracker(tmp_path / "cell", tmp_path, cfg) as t:
+            for step in range(3):
+                t.log({"x": float(step)}, step=step)
+            t.summary({"x": 2.0})
+    print(f"a dead tracking URI cost the job {time.monotonic() - start:.2f} s")
+    # one request, no retries, so the job waits at most timeout_s (mlflow's defaults: 8 tries
+    # of up to 120 s with backoff, about 4 minutes against a closed port)
+    assert http_attempts == [("/health", 2.0, 2.0)]
+    (warning,) = tracking_warnings(caplog)
+    assert f"tracking server {uri} unreachable" in warning.getMessage()
+    assert "Connection refused" in warning.getMessage()
+    assert [r["x"] for r in read_metrics(tmp_path / "cell")] == [0.0, 1.0, 2.0]
+    assert json.loads((tmp_path / "cell" / "summary.json").read_text()) == {"x": 2.0}
+
+
+@pytest.mark.parametrize("user_retries, tries", [(None, 3), ("1", 2)])
+def test_mlflow_calls_get_the_job_timeout_and_retries(broken_server, http_attempts, tmp_path,
+                                                      caplog, monkeypatch, user_retries, tries):
+    uri, hits = broken_server
+    # settings the environment has win: here no backoff, which keeps the test fast
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
+    if user_retries:
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", user_retries)
+    cfg = TrackingConfig(tracking_uri=uri, log_every=1, timeout_s=1.2)
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+        with tracker(tmp_path / "cell", tmp_path, cfg) as t:
+            t.log({"x": 0.0}, step=0)
+    # tries: the first MLflow call (get the experiment) 1 + 2 retries, or 1 + the user's 1;
+    # each with mlflow's whole-second timeout, rounded up: ceil(1.2) = 2 s
+    assert hits == ["/api/2.0/mlflow/experiments/get-by-name"] * tries
+    assert http_attempts == [("/health", 1.2, 1.2)] + [(hits[0], 2, 2)] * tries
+    (warning,) = tracking_warnings(caplog)
+    assert uri in warning.getMessage() and "503" in warning.getMessage()
+    assert read_metrics(tmp_path / "cell")[0]["x"] == 0.0
+    # the job's settings end with it; the user's stay
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+    assert os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES") == user_retries
+    assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "0"
+
+
+# ---- the experiment rule is best effort ------------------------------------------------------
+
+
+def test_experiment_rule_succeeds_with_a_dead_server(tmp_path, caplog):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    out, log_file = tmp_path / "mlflow/experiment.json", tmp_path / "logs/mlflow_experiment.log"
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+        record = ensure_experiment(TrackingConfig(tracking_uri=uri), study=STUDY,
+                                   results_dir=tmp_path, out=out, log_file=log_file)
+    assert json.loads(out.read_text()) == record
+    assert record["created"] is False and record["experiment_id"] is None
+    assert uri in record["error"] and "Connection refused" in record["error"]
+    assert log_file.read_text().startswith(f"WARNING: MLflow experiment 'unit' not created in "
+                                           f"{uri} (TrackingUnreachable: ")
+    (warning,) = tracking_warnings(caplog)
+    assert "training goes on" in warning.getMessage()
+
+
+def test_experiment_rule_records_the_experiment(store, tmp_path):
+    results, client = store
+    record = ensure_experiment(TrackingConfig(), study=STUDY, results_dir=results,
+                               out=tmp_path / "experiment.json")
+    assert record == {"experiment": STUDY, "created": True, "error": None,
+                      "experiment_id": client.get_experiment_by_name(STUDY).experiment_id,
+                      "tracking_uri": resolve_tracking_uri(TrackingConfig(), results)}
+
+
+# ---- sync-mlflow: what MLflow missed, from the jobs' files -----------------------------------
+
+
+def test_sync_uploads_a_metrics_only_cell_once(store, tmp_path, capsys, caplog):
+    results, client = store
+    dead = TrackingConfig(tracking_uri=f"http://127.0.0.1:{_closed_port()}", log_every=1)
+    config = tmp_path / "config.yaml"
+    config.write_text("algo:\n  beta: 0.3\n")
+    cell = tmp_path / "runs" / "cell"
+    with tracker(cell, tmp_path, dead, tags={"method": "igpo", "stage": "train"},
+                 params={"algo": {"beta": 0.3}}, config_file=config) as train:
+        for step in range(3):
+            train.log({"reward": step / 2, "kl": float("nan")}, step=step)
+        train.log({"reward": 1.5}, step=2)  # a resumed job's row of step 2
+        train.summary({"em": {"avg": 0.4}})
+    with Tracker.attach(cell, dead, results_dir=tmp_path, out_dir=cell / "eval" / "tracking",
+                        tags={"stage": "eval"}) as ev:
+        ev.summary({"test": {"nq": {"em": 0.5}}})
+    old = tmp_path / "runs" / "old"  # metrics without a record: reported, not synced
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"step": 0, "time": 1.0, "x": 1}\n')
+    assert not train.mlflow_enabled and not (cell / RUN_LINK_FILE).exists()
+
+    uri = resolve_tracking_uri(TrackingConfig(), results)
+    assert main(["sync-mlflow", str(tmp_path / "runs"), "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    run_id = json.loads((cell / RUN_LINK_FILE).read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.run_name == "cell" and run.info.status == "FINISHED"
+    # the evaluation's stage tag wins, as it would have live
+    assert run.data.tags["method"] == "igpo" and run.data.tags["stage"] == "eval"
+    assert run.data.params == {"algo.beta": "0.3"}
+    assert history(client, run_id, "reward") == [(0, 0.0), (1, 0.5), (2, 1.5)]  # later row wins
+    assert history(client, run_id, "kl") == []  # null in the jsonl
+    assert history(client, run_id, "em/avg") == [(2, 0.4)]  # at the job's last step
+    assert history(client, run_id, "test/nq/em") == [(0, 0.5)]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
+    # 3 reward points (steps 0, 1, 2) + em/avg + test/nq/em = 5
+    assert "2 jobs synced into 1 runs (1 created), 5 points uploaded, 0 already there; " \
+           "0 complete, 1 skipped, 0 failed" in out
+    assert f"skipped  {old}: metrics.jsonl without tracker.json" in out
+
+    assert main(["sync-mlflow", str(tmp_path / "runs"), "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "0 jobs synced into 0 runs (0 created), 0 points uploaded, 5 already there; " \
+           "2 complete" in out
+    assert history(client, run_id, "reward") == [(0, 0.0), (1, 0.5), (2, 1.5)]
+    assert client.get_run(run_id).data.tags["stage"] == "eval"
+
+
+def test_sync_adds_only_what_a_partly_logged_run_lacks(store, tmp_path, monkeypatch, capsys):
+    results, client = store
+
+    def locked(*args, **kwargs):
+        raise RuntimeError("database is locked")
+
+    cell = tmp_path / "cell"
+    with tracker(cell, results, TrackingConfig(log_every=1)) as t:
+        t.log({"x": 0.0}, step=0)
+        monkeypatch.setattr(t._client, "log_batch", locked)
+        t.log({"x": 1.0}, step=1)
+        t.log({"x": 2.0}, step=2)
+    assert client.get_run(t.run_id).info.status == "RUNNING"
+    assert main(["sync-mlflow", str(cell)]) == 0  # into the job's own store
+    out = capsys.readouterr().out
+    assert history(client, t.run_id, "x") == [(0, 0.0), (1, 1.0), (2, 2.0)]  # step 0 once
+    assert client.get_run(t.run_id).info.status == "FINISHED"
+    assert "1 jobs synced into 1 runs (0 created), 2 points uploaded, 1 already there" in out
+
+
+def test_sync_stops_when_the_store_does_not_answer(tmp_path, capsys):
+    with tracker(tmp_path / "cell", tmp_path, TrackingConfig(mlflow=False)) as t:
+        t.log({"x": 0.0}, step=0)
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    assert main(["sync-mlflow", str(tmp_path), "--tracking-uri", uri]) == 1
+    assert f"tracking server {uri} unreachable" in capsys.readouterr().err
+    assert not (tmp_path / "cell" / RUN_LINK_FILE).exists()

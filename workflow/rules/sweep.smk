@@ -39,7 +39,7 @@ rule sweep_trial:
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(SWEEPS[wc.sweep][1].base.backbone),
         encoder=ENCODER_INPUTS,
-        mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
+        mlflow=[ancient(f"{R}/mlflow/experiment.json")] if STUDY.tracking.mlflow else [],
     output:
         f"{R}/sweeps/{{sweep}}/trials/{{trial}}/result.json",
     log:

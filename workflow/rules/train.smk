@@ -65,21 +65,23 @@ ruleorder: fetch_encoder > fetch_backbone
 
 
 rule mlflow_experiment:
-    """Create the study's MLflow experiment once, before parallel jobs race to create it."""
+    """Create the study's MLflow experiment once, before parallel jobs race to create it.
+    Best effort (a2tgpo.tracking.ensure_experiment): with the tracking server down it still
+    succeeds, experiment.json says "created": false and the log says why, and training goes
+    on; each job's tracker creates the experiment if the server is back by then. Jobs take
+    this file as ancient(): it orders them after this rule, and rewriting it (this rule's code
+    changed, or the file was deleted) never reruns them."""
     output:
         f"{R}/mlflow/experiment.json",
+    log:
+        f"{R}/logs/mlflow_experiment.log",
     localrule: True
     run:
-        from a2tgpo.io import atomic_write_json
-        from a2tgpo.tracking import init_experiment, resolve_tracking_uri
+        from a2tgpo.tracking import ensure_experiment
 
-        exp = init_experiment(STUDY.tracking, study=STUDY.study, results_dir=R)
-        # Kept as written: the text of a run block is its code fingerprint, so reformatting it
-        # would rerun this rule and, through a new experiment.json, every training job.
-        # fmt: off
-        atomic_write_json(output[0], {"experiment_id": exp,
-                                      "tracking_uri": resolve_tracking_uri(STUDY.tracking, R)})
-        # fmt: on
+        ensure_experiment(
+            STUDY.tracking, study=STUDY.study, results_dir=R, out=output[0], log_file=log[0]
+        )
 
 
 rule train:
@@ -89,7 +91,7 @@ rule train:
         index=f"{R}/index/check.json",
         policy=lambda wc: policy_inputs(Cell.parse(wc.cell).backbone),
         encoder=ENCODER_INPUTS,
-        mlflow=[f"{R}/mlflow/experiment.json"] if STUDY.tracking.mlflow else [],
+        mlflow=[ancient(f"{R}/mlflow/experiment.json")] if STUDY.tracking.mlflow else [],
     output:
         f"{R}/runs/{{cell}}/summary.json",
     log:
