@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -122,16 +123,29 @@ def cmd_build_index(args) -> int:
 
 
 def cmd_check_index(args) -> int:
+    import dataclasses
+
     from a2tgpo.io import atomic_write_json
     from a2tgpo.retrieval.docstore import DocStore
-    from a2tgpo.retrieval.index import load_index
+    from a2tgpo.retrieval.encoders import Encoder
+    from a2tgpo.retrieval.index import check_alignment, load_index
 
     cfg = _retrieval(args)
-    n = len(DocStore(args.corpus))
-    index = load_index(args.index, cfg.index, n)  # raises IndexMismatch on a count mismatch
+    if args.sample_rows < 2:
+        raise ConfigError(f"--sample-rows must be >= 2 (the first and the last row), got "
+                          f"{args.sample_rows}")
+    docs = DocStore(args.corpus)  # every row's contents checked; the first bad line is named
+    n = len(docs)
+    # on the CPU: a GPU copy holds fp16 vectors and cannot reconstruct them
+    index = load_index(args.index, dataclasses.replace(cfg.index, gpu="off"), n)  # the count
+    alignment = check_alignment(index, docs, Encoder(cfg.encoder), args.index,
+                                sample=args.sample_rows, seed=args.seed)
     atomic_write_json(args.out, {"index": args.index, "corpus": args.corpus,
-                                 "ntotal": int(index.ntotal), "dim": int(index.d)})
-    print(f"{args.index}: {index.ntotal:,} vectors = {n:,} corpus passages")
+                                 "ntotal": int(index.ntotal), "dim": int(index.d),
+                                 "contents_checked": n, "alignment": alignment})
+    print(f"{args.index}: {index.ntotal:,} vectors = {n:,} corpus passages (every contents a "
+          f"non-empty string); {len(alignment['rows'])} sampled rows aligned "
+          f"({alignment['method']})")
     return 0
 
 
@@ -428,10 +442,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check_config(args) -> int:
-    from a2tgpo.study import load_study
+    from a2tgpo.study import check_study, load_study
 
     study = load_study(args.config, args.overrides)
-    print(f"{args.config}: valid (study {study.study!r})")
+    checks = check_study(study, args.config)  # what Snakemake checks before it starts any job
+    n_cells = len({c for cells in checks.cells.values() for c in cells})
+    print(f"{args.config}: valid (study {study.study!r}: {n_cells} cells in "
+          f"{len(checks.cells)} grid sets, {len(checks.sweeps)} sweeps; every job's memory "
+          "plan fits)")
     return 0
 
 
@@ -511,6 +529,18 @@ def cmd_sweep_summary(args) -> int:
     return 0
 
 
+def cmd_sync_mlflow(args) -> int:
+    from a2tgpo.tracking import TrackingUnreachable, sync
+
+    try:
+        report = sync(args.paths, tracking_uri=args.tracking_uri, experiment=args.experiment)
+    except TrackingUnreachable as e:
+        print(f"a2tgpo sync-mlflow: error: {e}; nothing more was sent", file=sys.stderr)
+        return 1
+    print(report.format())
+    return 1 if report.failed else 0
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -558,8 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "prepare-data",
         help="load QA datasets (FlashRAG, Search-R1, toy) and write normalised parquet splits",
-        description="Load the configured training and test datasets through `datasets` (hub ids "
-        "or local directories laid out like the hub repos), normalise them to one schema (id, "
+        description="Load the configured training and test datasets (hub ids or local "
+        "directories laid out like the hub repos), normalise them to one schema (id, "
         "question, golden_answers, source, split, group, hop_type, hops), hold out a dev split "
         "from the training rows, and write parquet files plus summary.json.",
         formatter_class=fmt,
@@ -615,11 +645,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check-index",
         help="check that an index (e.g. Search-R1's prebuilt one) matches the corpus",
-        description="Load the index (after estimating its memory need), compare its vector "
-        "count with the corpus's passage count, and write a small JSON record if they agree.",
+        description="Check every corpus row (contents a non-empty UTF-8 string; the first bad "
+        "line is named), load the index (after estimating its memory need), compare its vector "
+        "count with the corpus's passage count, re-encode a fixed sample of passages with the "
+        "configured encoder and check that index row i holds corpus row i's vector (cosine >= "
+        "0.99 with the stored vector; indexes storing codes: found by its own passage), and "
+        "write a small JSON record if all agree.",
         formatter_class=fmt,
     )
     retrieval_args(p)
+    p.add_argument("--sample-rows", type=int, default=32,
+                   help="passages re-encoded for the alignment check, spread over the corpus "
+                   "(always the first and the last)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the alignment sample")
     p.add_argument("--out", required=True, help="output JSON record")
     p.set_defaults(func=cmd_check_index)
 
@@ -904,8 +942,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check-config",
         help="validate a study config (config/config.yaml) strictly",
-        description="Validate the whole study config: unknown keys, wrong types and missing "
-        "required keys are errors naming the file and the dotted key.",
+        description="Validate the whole study config with exactly the checks Snakemake runs "
+        "before it starts any job: unknown keys (with a suggestion), wrong types, missing "
+        "required keys and numbers out of range name the file and the dotted key; then the "
+        "grid, the overrides, the sweeps and every job's memory plan.",
         formatter_class=fmt,
     )
     p.add_argument("config")
@@ -1011,33 +1051,77 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", required=True, help="the sweep's folder (<results>/<study>/sweeps/"
                    "<name>)")
     p.set_defaults(func=cmd_sweep_summary)
+
+    p = sub.add_parser(
+        "sync-mlflow",
+        help="upload to MLflow what jobs logged only to metrics.jsonl (the store was down)",
+        description="Find every job folder (one with tracker.json: a cell's training, its "
+        "evaluation, a sweep trial's run) under the given results or run folders and log into "
+        "its MLflow run what the run lacks: the run itself (created and linked in "
+        "mlflow_run.json), its tags, params and config artifact, the metric points of "
+        "metrics.jsonl and summary.json (compared by key and step, so nothing is sent twice) "
+        "and its final status. Safe to repeat: a complete run is left alone. Prints a line per "
+        "job and a summary; exit 1 if the store does not answer or a job failed.",
+        formatter_class=fmt,
+    )
+    p.add_argument("paths", nargs="+", metavar="DIR",
+                   help="a results folder (results/<study>) or job folders")
+    p.add_argument("--tracking-uri", default=None,
+                   help="store to upload to (default: each job's tracking.tracking_uri, or its "
+                   "study's sqlite file)")
+    p.add_argument("--experiment", default=None,
+                   help="experiment for runs not yet in the store (default: each job's "
+                   "tracking.experiment, or its study name)")
+    p.set_defaults(func=cmd_sync_mlflow)
     return parser
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from a2tgpo.data.jsonl import DataFileError
+    from a2tgpo.io import WriteFailed
+    from a2tgpo.lock import FolderBusy
     from a2tgpo.retrieval.http import RetrieverError
     from a2tgpo.retrieval.index import IndexMismatch
 
-    return (IndexMismatch, RetrieverError)
+    return (IndexMismatch, RetrieverError, FolderBusy, WriteFailed, DataFileError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line as `main` reads it (the README's commands are checked through this)."""
+    argv = list(argv)
     passthrough: list[str] = []
     # rerun ... -- <snakemake arguments>; with-retriever / launch / rehearse ... -- <command>
     if argv and {"rerun", "with-retriever", "launch", "rehearse"} & set(argv) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # dotted overrides anywhere after CONFIG, also after options (`world CONFIG --section world
+    # seed=3 --out DIR people=200`): argparse alone takes them only right after CONFIG
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not isinstance(getattr(args, "overrides", None), list)):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     args.passthrough = passthrough
     if passthrough:
         args.snakemake_args = passthrough
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # a job started by the workflow ends with the Snakemake that started it (no orphans); the
+    # retrieval server stops gracefully on SIGINT (it holds on through SIGTERM)
+    from a2tgpo.train.preemption import watch_anchor
+
+    watch_anchor(signal.SIGINT if args.command == "serve-retriever" else signal.SIGTERM)
     start = time.perf_counter()
     try:
         rc = args.func(args)

@@ -36,11 +36,22 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the dotted key."""
 
 
-def option(default: Any = _MISSING, doc: str = "", *, factory: Any = _MISSING) -> Any:
-    """Declare a config key with its documentation (no default = required key)."""
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+_SCHEMA_BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum",
+                  "lt": "exclusiveMaximum"}
+
+
+def option(default: Any = _MISSING, doc: str = "", *, factory: Any = _MISSING,
+           ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None) -> Any:
+    """Declare a config key with its documentation (no default = required key) and, for a
+    number (or each number of a list or mapping), its range: `ge`/`gt`/`le`/`lt` = the value
+    must be >=, >, <=, < the bound (checked at load, and in the JSON schema)."""
     if not doc:
         raise TypeError("every config key must be documented")
-    kwargs: dict[str, Any] = {"metadata": {"doc": doc}}
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    kwargs: dict[str, Any] = {"metadata": {"doc": doc, "bounds": bounds}}
     if default is not _MISSING:
         kwargs["default"] = default
     if factory is not _MISSING:
@@ -78,6 +89,26 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 def _fail(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path or '<root>'}: {msg}")
+
+
+def _check_bounds(bounds: dict, value: Any, source: str, path: str) -> None:
+    """Every number in `value` (a number, or the numbers of a list or mapping) within range."""
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _check_bounds(bounds, v, source, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_bounds(bounds, v, source, f"{path}.{k}")
+        return
+    if not isinstance(value, (int, float)):
+        return
+    broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
+    if broken or value != value:  # NaN compares false with every bound
+        need = " and ".join(f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items()) or "a number"
+        raise _fail(source, path, f"{value!r} is out of range: must be {need}")
 
 
 def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
@@ -154,6 +185,7 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
         where = f"{path}.{name}" if path else name
         if name in data:
             kwargs[name] = _convert(hints[name], data[name], source, where)
+            _check_bounds(f.metadata.get("bounds", {}), kwargs[name], source, where)
         elif f.default is _MISSING and f.default_factory is _MISSING:
             raise _fail(source, where, f"missing required key ({f.metadata.get('doc', '')})")
     try:
@@ -310,12 +342,27 @@ def _schema(tp: Any) -> dict:
     raise TypeError(f"unsupported config type {tp!r}")
 
 
+def _schema_bounds(prop: dict, bounds: dict) -> None:
+    """Put a key's range on the number schemas inside `prop` (union branches, list items,
+    mapping values)."""
+    if not bounds:
+        return
+    if prop.get("type") in ("integer", "number"):
+        prop.update({_SCHEMA_BOUNDS[k]: b for k, b in bounds.items()})
+    for sub in prop.get("anyOf", []):
+        _schema_bounds(sub, bounds)
+    for key in ("items", "additionalProperties"):
+        if isinstance(prop.get(key), dict):
+            _schema_bounds(prop[key], bounds)
+
+
 def json_schema(cls: type) -> dict:
     """JSON schema (draft 2020-12 subset) of dataclass `cls`, with each key's doc as description."""
     hints = _type_hints(cls)
     props, required = {}, []
     for f in dataclasses.fields(cls):
         prop = _schema(hints[f.name])
+        _schema_bounds(prop, f.metadata.get("bounds", {}))
         prop["description"] = f.metadata.get("doc", "")
         if f.default is _MISSING and f.default_factory is _MISSING:
             required.append(f.name)

@@ -43,8 +43,8 @@ class CellSet:
                                          "all of them.")
     betas: tuple[float, ...] = option(
         (), "Adaptive-clip strengths β (a cell each); every method of the set must read β "
-        "(loss.adaptive_clip: true). Empty = each method's own β.")
-    seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).")
+        "(loss.adaptive_clip: true). Empty = each method's own β.", ge=0)
+    seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).", ge=0)
     exclude: tuple[str, ...] = option((), "\"backbone:method\" pairs left out (e.g. "
                                           "\"qwen3-4b:tree_grpo\").")
     only: tuple[str, ...] = option((), "\"backbone:method\" pairs: if given, a method listed "
@@ -82,11 +82,11 @@ class TrainSection(TrainSettings):
     """The study config's `train:` section: the TrainSettings every cell's TrainConfig starts
     from (per-cell values come from the grid), plus how the DAG runs the jobs."""
 
-    nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).")
-    nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).")
+    nproc: int = option(1, "Processes per training job (backend deepspeed: GPUs per node).", ge=1)
+    nodes: int = option(1, "Nodes per training job (backend deepspeed on SLURM).", ge=1)
     threads: int = option(1, "CPUs of a training job (SLURM cpus-per-task, OMP_NUM_THREADS); "
                              "backend deepspeed: `a2tgpo launch` gives each of the nproc ranks "
-                             "threads / nproc. Evaluation jobs: eval.threads.")
+                             "threads / nproc. Evaluation jobs: eval.threads.", ge=1)
     overrides: tuple[str, ...] = option(
         (), "Dotted TrainConfig overrides applied to every cell, e.g. "
         "\"method.rollout.n=4\".")
@@ -97,20 +97,20 @@ class TrainSection(TrainSettings):
     selection: Literal["dev_em", "test_avg"] = option(
         "dev_em", "Checkpoint selection: dev EM (default) or the papers' best test average "
         "(labelled so in the tables).")
-    runtime_min: int = option(60, "Wall-time request of a training job (minutes, SLURM).")
+    runtime_min: int = option(60, "Wall-time request of a training job (minutes, SLURM).", ge=1)
     seconds_per_step: float | None = option(
         None, "Wall time of one RL step (s) on the training nodes, for the train rule's "
         "retries; null = measured from a cell's metrics.jsonl once it has run, else the "
-        "estimate of `a2tgpo plan` (GPU cells).")
+        "estimate of `a2tgpo plan` (GPU cells).", gt=0)
     spare_retries: int = option(
         2, "Retries of a training job beyond the jobs its run length needs at runtime_min "
-        "(preemptions, node failures; a preempted job resumes from its checkpoint).")
+        "(preemptions, node failures; a preempted job resumes from its checkpoint).", ge=0)
     mem_mb: int | None = option(
         8000, "Memory request of a training job (MB), checked against the job's host memory "
-        "plan (`a2tgpo plan`); null = that plan x 1.25.")
+        "plan (`a2tgpo plan`); null = that plan x 1.25.", ge=1)
     gpu_memory_gb: float = option(
         80.0, "Memory of one GPU of the training nodes, GiB (nvidia-smi's total / 1024): what "
-        "`a2tgpo plan` and the DAG check each cell's per-rank plan against.")
+        "`a2tgpo plan` and the DAG check each cell's per-rank plan against.", gt=0)
 
 
 @dataclass(frozen=True)

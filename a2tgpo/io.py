@@ -1,12 +1,15 @@
 """Atomic file writes: results and checkpoints are never seen half-written.
 
 Everything is written to a temporary sibling and renamed into place (rename is atomic on POSIX
-within one filesystem), so a killed job leaves either the old file or the new one.
+within one filesystem), so a killed job leaves either the old file or the new one. A write the
+file system refuses (full, read-only, no permission) fails with `WriteFailed`, naming the path
+and what is full or read-only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -26,17 +29,25 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
     directory at `path` (the old one is removed only after the new one is complete).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            tmp = Path(name)
+    except OSError as e:
+        raise explain_write_error(path, e) from e
     # mkstemp/mkdtemp create owner-only entries; results are meant to be shared like any file
     os.chmod(tmp, (0o777 if directory else 0o666) & ~_UMASK)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except (OSError, RuntimeError) as e:
+            # a full or read-only disk surfaces from torch/safetensors as a RuntimeError
+            # ("enforce fail at inline_container.cc") that names neither the path nor the cause
+            raise explain_write_error(path, e) from e
         if directory:
             old = None
             if path.exists():
@@ -53,6 +64,44 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+class WriteFailed(OSError):
+    """A write failed for a reason of the file system (full, read-only, no permission)."""
+
+
+def explain_write_error(path: str | Path, error: BaseException) -> BaseException:
+    """`error` as a `WriteFailed` naming `path` and what is full or read-only, where the file
+    system says so; else `error` itself."""
+    path = Path(path)
+    where = path.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    code = getattr(error, "errno", None)
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return error
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if code in (errno.ENOSPC, errno.EDQUOT) or (code is None and free < 1 << 20):
+        quota = " or your quota there is used up" if code == errno.EDQUOT else ""
+        return WriteFailed(code or errno.ENOSPC, f"cannot write {path}: the file system holding "
+                           f"{where} is full{quota} ({_size(free)} free of {_size(total)}); free "
+                           f"space there (or point the output elsewhere) and rerun")
+    if code == errno.EROFS or (code is None and st.f_flag & os.ST_RDONLY):
+        return WriteFailed(errno.EROFS, f"cannot write {path}: the file system holding {where} "
+                           "is mounted read-only")
+    if code in (errno.EACCES, errno.EPERM):
+        return WriteFailed(code, f"cannot write {path}: permission denied in {where}")
+    return error
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -95,7 +95,7 @@ class RehearsalHubConfig:
                                                       epochs=6, batch_size=8))
     max_shard_size: str = option("4MB", "Safetensors shard size of the backbone (several "
                                         "shards + an index, like the released checkpoints).")
-    index_parts: int = option(2, "Parts the faiss index is published in.")
+    index_parts: int = option(2, "Parts the faiss index is published in.", ge=1)
 
 
 def build_hub(cfg: RehearsalHubConfig, out: str | Path) -> dict:

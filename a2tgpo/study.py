@@ -9,6 +9,8 @@ from these dataclasses; `load_study` adds the strict checks a JSON schema cannot
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
 import functools
 import re
 from dataclasses import dataclass
@@ -72,39 +74,28 @@ class EvalSection:
     gpus: int = option(
         1, "GPUs per evaluation job when train.device is not cpu (built toy backbones get none); "
         "0 = a CPU job. The job runs one engine: with engine vllm it is tensor parallel over "
-        "train.rollout_tp GPUs, so give that many.")
-    threads: int = option(1, "CPU threads per evaluation job (torch intra-op).")
+        "train.rollout_tp GPUs, so give that many.", ge=0)
+    threads: int = option(1, "CPU threads per evaluation job (torch intra-op).", ge=1)
     mem_mb: int | None = option(
         8000, "Memory request of an evaluation job (MB), checked against the job's host memory "
-        "plan (`a2tgpo plan`); null = that plan x 1.25.")
+        "plan (`a2tgpo plan`); null = that plan x 1.25.", ge=1)
     runtime_min: int = option(
         60, "Wall-time request of an evaluation job (minutes, SLURM), for one checkpoint on "
-        "the cell's test sets.")
+        "the cell's test sets.", ge=1)
     runtime_all_min: int | None = option(
         None, "Wall-time request of evaluate_all (train.selection: test_avg, every saved "
         "checkpoint; minutes); null = runtime_min x the checkpoints the cell saves. A job that "
-        "runs out keeps the checkpoints it finished, and the rerun continues.")
+        "runs out keeps the checkpoints it finished, and the rerun continues.", ge=1)
     engine_memory_share: float = option(
         0.9, "engine vllm: share of the GPU's memory the evaluation engine takes (vLLM "
         "gpu_memory_utilization). Replaces train.engine_memory_share, which leaves room for "
         "the trainer: nothing else runs in an evaluation job, so the KV cache can take it "
-        "(a train.engine_kv_cache_gb still fixes the KV cache).")
+        "(a train.engine_kv_cache_gb still fixes the KV cache).", gt=0, le=1)
     chunk: int = option(1024, "Questions per rollout call, all test sets pooled (larger = "
-                              "larger engine batches).")
+                              "larger engine batches).", ge=1)
     max_batch: int | None = option(
         None, "engine hf: sequences per forward pass; null = 32 on CPU, the engine's default "
-        "on GPU.")
-
-    def __post_init__(self) -> None:
-        if self.gpus < 0:
-            raise ValueError(f"gpus must be >= 0, got {self.gpus}")
-        for key in ("threads", "mem_mb", "runtime_min", "chunk", "runtime_all_min", "max_batch"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if not 0 < self.engine_memory_share <= 1:
-            raise ValueError(f"engine_memory_share must be in (0, 1], got "
-                             f"{self.engine_memory_share}")
+        "on GPU.", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,3 +336,93 @@ def resolve_cell(study: StudyConfig, path: str):
         tracking=study.tracking, train_file=f"{data_dir(study, cell.data)}/train.parquet",
         dev_file=f"{data_dir(study, cell.data)}/dev.parquet", corpus=corpus_file(study),
         index=index_file(study))
+
+
+# --------------------------------------------------------------------------------------------
+# every check the DAG runs before any job starts
+
+
+@dataclass
+class StudyChecks:
+    """What the checks of `check_study` derived, for the DAG to use (common.smk)."""
+
+    cells: dict[str, list[Cell]]  # grid set -> its cells
+    sweeps: dict[str, tuple[str, Any, Cell]]  # sweep name -> (file, SweepConfig, base cell)
+    plans: list | None = None  # plan.CellPlan of every cell (plan=True only)
+    evals: list | None = None  # plan.EvalPlan of every backbone
+    retries: Any = None  # plan.RetryPlan of the train rule
+
+
+def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyChecks:
+    """Every check of the study that needs more than its own file, in one place: Snakemake
+    runs it before it schedules anything (workflow/rules/common.smk) and `a2tgpo check-config`
+    runs it, so a config the one accepts the other accepts too. Raises ConfigError, its
+    message led by `source` (the config's files).
+
+    1. built (toy) backbones share one folder;
+    2. the grid: every id it names exists, β only for methods that read it (validate_grid);
+       every train.method_overrides key matches a method id;
+    3. the sweeps: each file loads, names a backbone, track and method of the study, and a
+       name no other sweep has;
+    4. with `plan`: every cell's resolved config (overrides applied) and its memory plan, and
+       every evaluation job's, fit their GPUs and memory requests; the train rule's retries.
+    """
+    toy_paths = {study.backbone(b).path for b in study.backbones if study.backbone(b).needs_build}
+    if len(toy_paths) > 1:
+        raise ConfigError(f"{source}: backbones: all built (toy) backbones must share one "
+                          "path; got " + ", ".join(sorted(toy_paths)))
+    cells = study_cells(study)
+    sweeps = _study_sweeps(study, source)
+    # a pattern may name methods this grid leaves out (a shared config, a trimmed grid), not
+    # methods that do not exist: a typo would silently leave its method unchanged
+    from a2tgpo.algo.methods import method_ids
+
+    known = method_ids(study.methods_dir)
+    for key in study.train.method_overrides:
+        if not any(fnmatch.fnmatchcase(m, key) for m in known):
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{source}: train.method_overrides.{key}: matches no method id "
+                              f"({', '.join(known)}){hint}")
+    checks = StudyChecks(cells=cells, sweeps=sweeps)
+    if plan:
+        from a2tgpo.plan import plan_evals, plan_retries, plan_study, refusal
+
+        checks.plans, checks.evals = plan_study(study), plan_evals(study)
+        refused = refusal(checks.plans, checks.evals)
+        if refused:
+            raise ConfigError(f"{source}: {refused}")
+        checks.retries = plan_retries(study, checks.plans,
+                                      {p.cell: f"{study.root}/runs/{p.cell}"
+                                       for p in checks.plans})
+        if checks.retries.error:
+            raise ConfigError(f"{source}: {checks.retries.error}")
+    return checks
+
+
+def _study_sweeps(study: StudyConfig, source: str) -> dict[str, tuple[str, Any, Cell]]:
+    from a2tgpo.algo.methods import get_method
+    from a2tgpo.grid import normalize_beta
+    from a2tgpo.sweep import check_method, load_sweep
+
+    sweeps: dict[str, tuple[str, Any, Cell]] = {}
+    for i, path in enumerate(study.sweeps):
+        try:
+            sw = load_sweep(path)
+            if sw.base.backbone not in study.backbones:
+                raise ConfigError(f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
+                                  f"the study's backbones ({', '.join(study.backbones)})")
+            if sw.base.track not in study.track_names:
+                raise ConfigError(f"{path}: base.track: {sw.base.track!r} is not one of the "
+                                  f"study's tracks ({', '.join(map(repr, study.track_names))})")
+            method = get_method(sw.base.method, study.methods_dir)
+            check_method(sw, method, path)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: sweeps[{i}]: {e}") from None
+        if sw.name in sweeps:
+            raise ConfigError(f"{source}: sweeps[{i}]: {path}: name {sw.name!r} is also the "
+                              f"name of {sweeps[sw.name][0]}")
+        sweeps[sw.name] = (path, sw, Cell(sw.base.backbone, sw.base.method,
+                                          normalize_beta(method.advantage.beta), sw.base.seed,
+                                          sw.base.track))
+    return sweeps

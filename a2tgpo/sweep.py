@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from a2tgpo.config import ConfigError, from_dict, load_config, option, parse_override, to_dict
+from a2tgpo.lock import folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ParamRange:
     low: float | None = option(None, "Lower bound (inclusive).")
     high: float | None = option(None, "Upper bound (inclusive).")
     step: float | None = option(None, "Discretisation step (null = continuous); required by "
-                                      "sampler grid.")
+                                      "sampler grid.", gt=0)
     fixed: float | None = option(None, "Fix the value instead of searching it (low/high unset).")
 
     def __post_init__(self) -> None:
@@ -145,8 +146,8 @@ class SamplerConfig:
         "grid = GridSampler over low..high by step (every searched value needs a step).")
     seed: int = option(0, "Sampler seed. tpe: trial job i seeds its sampler with (seed, i), "
                           "so random start-up points do not repeat across parallel jobs; "
-                          "grid: the order the grid is visited in.")
-    n_startup_trials: int = option(10, "tpe: random trials before TPE starts modelling.")
+                          "grid: the order the grid is visited in.", ge=0)
+    n_startup_trials: int = option(10, "tpe: random trials before TPE starts modelling.", ge=0)
 
     def __post_init__(self) -> None:
         if self.n_startup_trials < 0:
@@ -162,7 +163,7 @@ class SweepBase:
     method: str = option("a2tgpo", "Method id (config/methods/<id>.yaml); it must read the "
                                    "searched keys (β: loss.adaptive_clip true; γ: estimator "
                                    "igpo_family or gigpo).")
-    seed: int = option(1, "Training seed of every trial.")
+    seed: int = option(1, "Training seed of every trial.", ge=0)
     track: str = option("", "Training track (a key of the study's `tracks`); empty = the "
                             "study's single implicit track (a study without tracks).")
 
@@ -175,7 +176,8 @@ class SweepConfig:
                            "<results>/<study>/sweeps/<name>/ and the target sweep_<name>.")
     base: SweepBase = option(doc="The base grid cell.")
     n_trials: int = option(doc="Trials (Snakemake jobs trials/0 .. n-1; as many run at once as "
-                               "Snakemake's cores/resources allow). Raising it later adds trials.")
+                               "Snakemake's cores/resources allow). Raising it later adds trials.",
+                           ge=1)
     search: SearchSpace = option(doc="The search space.")
     sampler: SamplerConfig = option(doc="The Optuna sampler.", factory=SamplerConfig)
     direction: Literal["maximize", "minimize"] = option("maximize", "Optimisation direction.")
@@ -549,8 +551,6 @@ def _precreate_mlflow_run(cfg, sweep: SweepConfig, index: int, number: int) -> N
 def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = None,
               train_fn: Callable | None = None) -> dict:
     """Trial job `index`: ask (or re-use) → train → objective → tell → result.json."""
-    from optuna.trial import TrialState
-
     if not 0 <= index < sweep.n_trials:
         raise ConfigError(f"sweep {sweep.name}: --index {index} is outside 0..{sweep.n_trials - 1}")
     check_method(sweep, base.method, f"sweep {sweep.name}")
@@ -559,6 +559,17 @@ def run_trial(sweep: SweepConfig, index: int, base, *, out: str | Path | None = 
     out = Path(out) if out is not None else trial_dir / RESULT_FILE
     # config errors surface before any Optuna trial exists
     probe = trial_config(base, sweep, index, {})
+    # the trial's run folder (its params do not change it) is locked from before the trial is
+    # claimed to its result: a second job on this index fails at once and claims nothing, and
+    # nothing moves or writes the folder meanwhile (training locks it again: a nested hold)
+    with folder_lock(probe.run_dir, f"sweep {sweep.name} trial {index}: run folder"):
+        return _run_trial(sweep, index, base, probe, out, train_fn, trial_dir, directory)
+
+
+def _run_trial(sweep: SweepConfig, index: int, base, probe, out: Path, train_fn,
+               trial_dir: Path, directory: Path) -> dict:
+    from optuna.trial import TrialState
+
     n = sweep.n_trials
 
     def matches(params):

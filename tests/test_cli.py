@@ -10,7 +10,8 @@ COMMANDS = ["world", "toy-backbone", "prepare-data", "download-corpus", "encode-
             "build-index", "check-index", "serve-retriever", "search", "retrieval-eval",
             "sft", "train", "rerun", "evaluate", "select", "methods", "plan", "with-retriever",
             "launch", "fetch-backbone", "fetch-model", "serve-hub", "rehearse", "check-config",
-            "resolve", "config-doc", "tables", "plots", "sweep-trial", "sweep-summary"]
+            "resolve", "config-doc", "tables", "plots", "sweep-trial", "sweep-summary",
+            "sync-mlflow"]
 
 
 def test_top_level_help_lists_every_command(capsys):

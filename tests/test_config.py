@@ -142,3 +142,102 @@ def test_yaml11_exponent_floats_are_accepted(tmp_path):
         load_config(Outer, write(tmp_path, "name: a\nsteps: 1e3\n"))
     with pytest.raises(ConfigError, match="inner.lr: expected float"):
         load_config(Outer, write(tmp_path, "name: a\ninner: {lr: 1e-6x}\n"))
+
+
+# --------------------------------------------------------------------------------------------
+# ranges
+
+
+@dataclass(frozen=True)
+class Ranged:
+    steps: int = option(10, "steps", ge=1)
+    share: float = option(0.5, "share", gt=0, le=1)
+    betas: tuple[float, ...] = option((), "betas", ge=0)
+    splits: dict[str, int] = option(doc="sizes", factory=dict, ge=0)
+    limit: int | None = option(None, "optional", ge=1)
+
+
+@pytest.mark.parametrize("data, where, need", [
+    ({"steps": 0}, "r.steps: 0", "must be >= 1"),
+    ({"share": 0}, "r.share: 0.0", "must be > 0 and <= 1"),
+    ({"share": 1.5}, "r.share: 1.5", "must be > 0 and <= 1"),
+    ({"share": float("nan")}, "r.share: nan", "must be > 0 and <= 1"),
+    ({"betas": [0.3, -0.1]}, r"r.betas\[1\]: -0.1", "must be >= 0"),
+    ({"splits": {"train": 3, "dev": -1}}, "r.splits.dev: -1", "must be >= 0"),
+    ({"limit": 0}, "r.limit: 0", "must be >= 1"),
+])
+def test_numbers_out_of_range_name_the_key_and_the_range(data, where, need):
+    with pytest.raises(ConfigError, match=rf"^c.yaml: {where} is out of range: {need}$"):
+        from_dict(Ranged, data, source="c.yaml", path="r")
+
+
+def test_numbers_in_range_and_null_pass_and_the_schema_carries_the_range():
+    cfg = from_dict(Ranged, {"steps": 1, "share": 1, "betas": [0], "splits": {"a": 0},
+                             "limit": None})
+    assert (cfg.steps, cfg.share, cfg.betas, cfg.splits, cfg.limit) == (1, 1.0, (0.0,),
+                                                                          {"a": 0}, None)
+    props = json_schema(Ranged)["properties"]
+    assert props["steps"]["minimum"] == 1
+    assert (props["share"]["exclusiveMinimum"], props["share"]["maximum"]) == (0, 1)
+    assert props["betas"]["items"]["minimum"] == 0
+    assert props["splits"]["additionalProperties"]["minimum"] == 0
+    assert {"type": "integer", "minimum": 1} in props["limit"]["anyOf"]
+
+
+# numeric keys with no range of their own, and why
+UNBOUNDED = {
+    "WorldConfig.first_year": "any year; last_year >= first_year is checked",
+    "WorldConfig.last_year": "any year; last_year >= first_year is checked",
+    "ParamRange.low": "a search range over any real (β, γ ranges are checked by the sweep)",
+    "ParamRange.high": "a search range over any real",
+    "ParamRange.fixed": "a fixed value of a searched parameter, checked by the sweep",
+}
+
+
+def _config_classes():
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import a2tgpo
+
+    seen = {}
+    for m in pkgutil.walk_packages(a2tgpo.__path__, "a2tgpo."):
+        for obj in vars(importlib.import_module(m.name)).values():
+            if (isinstance(obj, type) and dataclasses.is_dataclass(obj)
+                    and obj.__module__ == m.name
+                    and any("doc" in f.metadata for f in dataclasses.fields(obj))):
+                seen[obj.__name__] = obj
+    return seen
+
+
+def _numeric(tp) -> bool:
+    import typing
+
+    if tp in (int, float):
+        return True
+    return any(_numeric(a) for a in typing.get_args(tp) if a is not Ellipsis)
+
+
+def test_every_numeric_config_key_declares_its_range_and_its_default_is_in_it():
+    import dataclasses
+
+    from a2tgpo.config import _check_bounds, _type_hints
+
+    missing, bad_defaults = [], []
+    for name, cls in _config_classes().items():
+        hints = _type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "doc" not in f.metadata or not _numeric(hints[f.name]):
+                continue
+            key = f"{name}.{f.name}"
+            bounds = f.metadata.get("bounds", {})
+            if not bounds and key not in UNBOUNDED:
+                missing.append(key)
+            if bounds and f.default is not dataclasses.MISSING:
+                try:
+                    _check_bounds(bounds, f.default, "default", key)
+                except ConfigError as e:
+                    bad_defaults.append(str(e))
+    assert not missing, f"numeric keys without a range (option(..., ge=...)): {missing}"
+    assert not bad_defaults

@@ -60,7 +60,7 @@ DELIBERATE_LINTS = {
 }
 # run: rules that write one small file in-process (localrule); they print nothing to log.
 RUN_RULES_WITHOUT_LOG = {"resolve_section", "track_data_config", "cell_config",
-                         "mlflow_experiment", "sweep_base_config"}
+                         "sweep_base_config"}
 
 
 def parse_lints(text):

@@ -152,7 +152,8 @@ def test_snakemake_dry_run_refuses_a_cell_that_cannot_fit(workdir):
     err = run.stdout + run.stderr
     # the DAG checks every set's cells: besides the default sets' 22, the `seeds` set's
     # grpo, dapo, gspo and igpo on the two 7-8B backbones, 2 tracks, seeds 2 and 3 (32)
-    assert "invalid config: 54 of 166 cells do not fit" in err, err[-3000:]
+    assert "invalid config: config (" in err and "): 54 of 166 cells do not fit" in err, \
+        err[-3000:]
     assert "cell backbone~qwen3-8b/data~multi_hop/method~grpo/beta~0/seed~1" in err
     assert "largest term: vLLM engine (awake)" in err
     assert "Job stats" not in err  # nothing was scheduled

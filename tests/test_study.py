@@ -1,5 +1,6 @@
 """The study config: config/config.yaml validates; errors name the key; schema is generated."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -62,15 +63,17 @@ def test_eval_section_defaults_and_paper_values():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.gpus=-1", r"eval: gpus must be >= 0, got -1"),
-    ("eval.threads=0", r"eval: threads must be >= 1, got 0"),
-    ("eval.mem_mb=0", r"eval: mem_mb must be >= 1, got 0"),
-    ("eval.runtime_min=0", r"eval: runtime_min must be >= 1, got 0"),
-    ("eval.runtime_all_min=0", r"eval: runtime_all_min must be >= 1, got 0"),
-    ("eval.chunk=0", r"eval: chunk must be >= 1, got 0"),
-    ("eval.max_batch=0", r"eval: max_batch must be >= 1, got 0"),
-    ("eval.engine_memory_share=0", r"eval: engine_memory_share must be in \(0, 1\], got 0"),
-    ("eval.engine_memory_share=1.5", r"eval: engine_memory_share must be in \(0, 1\]"),
+    ("eval.gpus=-1", r"eval\.gpus: -1 is out of range: must be >= 0$"),
+    ("eval.threads=0", r"eval\.threads: 0 is out of range: must be >= 1$"),
+    ("eval.mem_mb=0", r"eval\.mem_mb: 0 is out of range: must be >= 1$"),
+    ("eval.runtime_min=0", r"eval\.runtime_min: 0 is out of range: must be >= 1$"),
+    ("eval.runtime_all_min=0", r"eval\.runtime_all_min: 0 is out of range: must be >= 1$"),
+    ("eval.chunk=0", r"eval\.chunk: 0 is out of range: must be >= 1$"),
+    ("eval.max_batch=0", r"eval\.max_batch: 0 is out of range: must be >= 1$"),
+    ("eval.engine_memory_share=0",
+     r"eval\.engine_memory_share: 0\.0 is out of range: must be > 0 and <= 1$"),
+    ("eval.engine_memory_share=1.5",
+     r"eval\.engine_memory_share: 1\.5 is out of range: must be > 0 and <= 1$"),
     ("eval.mem_mb=lots", r"eval\.mem_mb: expected int or null, got 'lots'"),
     ("eval.gpu=2", r"eval\.gpu: unknown key \(did you mean 'gpus'"),
 ])
@@ -92,3 +95,31 @@ def test_eval_gpus_must_fit_the_one_engine_of_an_evaluation_job():
     with pytest.raises(ConfigError, match=r"eval\.gpus: 2, but .* one hf engine on 1 GPU"):
         load_study(paper, ["train.engine=hf", "eval.gpus=2"])
     assert load_study(ROOT / "config/config.yaml", ["eval.gpus=4"]).eval.gpus == 4
+
+
+@pytest.mark.parametrize("override, message", [
+    # each once passed check-config and failed late (a ZeroDivisionError after step 1, a
+    # pruning error, β < 0 trained as β = 0, an override pattern silently ignored)
+    ("train.schedule.save_every=0",
+     r"train\.schedule\.save_every: 0 is out of range: must be >= 1"),
+    ("train.schedule.keep_last=0", r"train\.schedule\.keep_last: 0 is out of range"),
+    ("grid.sets.beta.betas=[0.3, -0.1]",
+     r"grid\.sets\.beta\.betas\[1\]: -0\.1 is out of range: must be >= 0"),
+    ("train.method_overrides={a2tgop: [method.rollout.n=4]}",
+     (r"config/config\.yaml: train\.method_overrides\.a2tgop: matches no method id "
+      r"\(.*\) \(did you mean 'a2tgpo'\?\)")),
+])
+def test_check_config_refuses_bad_settings_before_any_job(override, message, capsys):
+    from a2tgpo import cli
+
+    assert cli.main(["check-config", "config/config.yaml", override]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_check_config_accepts_a_method_override_pattern_that_matches(capsys):
+    from a2tgpo import cli
+
+    assert cli.main(["check-config", "config/config.yaml",
+                     "train.method_overrides={at2po*: [method.rollout.n=4]}"]) == 0
+    assert "config/config.yaml: valid" in capsys.readouterr().out

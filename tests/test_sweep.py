@@ -101,7 +101,7 @@ def test_toy_sweep_config_loads_and_is_listed_but_not_default():
 
 @pytest.mark.parametrize("changes, needle", [
     ({"n_trail": 3}, "n_trail: unknown key (did you mean 'n_trials'?)"),
-    ({"n_trials": 0}, "n_trials must be >= 1"),
+    ({"n_trials": 0}, "n_trials: 0 is out of range: must be >= 1"),
     ({"name": "Big Sweep"}, "use lowercase letters"),
     ({"name": "trial"}, "reserved"),
     ({"search": {"beta": {"low": 0.5, "high": 0.1}}}, "low (0.5) must be < high (0.1)"),

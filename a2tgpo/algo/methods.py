@@ -29,8 +29,8 @@ class AdvantageConfig:
 
     estimator: Estimator = option("grpo", "Which estimator computes the advantages.")
     norm_std: bool = option(True, "grpo/tree_grpo: divide by the group std (False = Dr.GRPO).")
-    eps: float = option(1e-6, "Added to every std denominator.")
-    gamma: float = option(1.0, "igpo_family/gigpo: discount over turns.")
+    eps: float = option(1e-6, "Added to every std denominator.", gt=0)
+    gamma: float = option(1.0, "igpo_family/gigpo: discount over turns.", ge=0, le=1)
     ig_norm: Literal["joint", "separate", "turn_group", "none"] = option(
         "turn_group", "igpo_family: IG normalisation pool (joint = IGPO paper, separate = IGPO "
         "code, turn_group = A2TGPO).")
@@ -39,15 +39,16 @@ class AdvantageConfig:
         "reward of the accumulation (IGPO).")
     sqrt_rescale: bool = option(True, "igpo_family: divide the accumulated IG by √n (A2TGPO).")
     process_weight: float = option(
-        1.0, "igpo_family: weight α of the accumulated IG term (paper 1.0, released code 0.3).")
+        1.0, "igpo_family: weight α of the accumulated IG term (paper 1.0, released code 0.3).",
+        ge=0)
     beta: float = option(
         0.0, "Strength β of adaptive clipping (loss.adaptive_clip, igpo_family): c = 1 + "
-        "β(2σ(îg) − 1); must be 0 without adaptive clipping.")
-    omega: float = option(1.0, "gigpo: weight ω of the step advantage.")
+        "β(2σ(îg) − 1); must be 0 without adaptive clipping.", ge=0)
+    omega: float = option(1.0, "gigpo: weight ω of the step advantage.", ge=0)
     gigpo_mode: Literal["mean_norm", "mean_std_norm"] = option(
         "mean_std_norm", "gigpo: normalisation of episode and step advantages.")
     similarity_threshold: float | None = option(
-        None, "gigpo: anchor similarity threshold (difflib ratio); null = exact match.")
+        None, "gigpo: anchor similarity threshold (difflib ratio); null = exact match.", ge=0, le=1)
     tree_mode: Literal["sum", "two_stage"] = option(
         "sum", "tree_grpo: prompt z + tree z (sum) or prompt then tree (two_stage, tree_2norm).")
     value_mode: Literal["child_weighted_linear", "child_softmax", "child_mean", "leaf_mean"] = \
@@ -76,21 +77,22 @@ class LossConfig:
 
     ratio_level: Literal["token", "sequence", "turn"] = option(
         "token", "token = PPO/GRPO; sequence = GSPO; turn = ATPO/A2TGPO.")
-    clip_low: float = option(0.2, "ε_low: lower bound 1 − ε_low (scaled by c when adaptive).")
-    clip_high: float = option(0.2, "ε_high: upper bound 1 + ε_high.")
-    dual_clip: float | None = option(3.0, "Dual-clip constant c for A < 0; null = none.")
+    clip_low: float = option(0.2, "ε_low: lower bound 1 − ε_low (scaled by c when adaptive).",
+                             ge=0, lt=1)
+    clip_high: float = option(0.2, "ε_high: upper bound 1 + ε_high.", ge=0)
+    dual_clip: float | None = option(3.0, "Dual-clip constant c for A < 0; null = none.", gt=1)
     upper_clip: Literal["hard", "gradient_preserving"] = option(
         "hard", "gradient_preserving = AEPO's clip that keeps the gradient above 1 + ε_high.")
     adaptive_clip: bool = option(
         False, "The switch of A2TGPO's adaptive clipping: per-turn clip scales of strength "
         "advantage.beta (igpo_family only).")
     agg_mode: AggMode = option("token-mean", "Loss aggregation over the mini-batch.")
-    kl_coef: float = option(0.0, "KL-to-reference loss coefficient; 0 = no reference model.")
+    kl_coef: float = option(0.0, "KL-to-reference loss coefficient; 0 = no reference model.", ge=0)
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = option(
         "low_var_kl", "KL estimator.")
-    entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
+    entropy_coef: float = option(0.0, "Entropy bonus coefficient.", ge=0)
     entropy_adv_alpha: float = option(
-        0.0, "AEPO entropy-aware advantage Ã = A(1 + α·z(H)); 0 = off.")
+        0.0, "AEPO entropy-aware advantage Ã = A(1 + α·z(H)); 0 = off.", ge=0)
 
 
 @dataclass(frozen=True)
@@ -100,17 +102,18 @@ class RolloutShapeConfig:
     shape: Literal["chains", "tree_random", "tree_entropy", "aepo"] = option(
         "chains", "chains = n independent rollouts; tree_random = Tree-GRPO; tree_entropy = "
         "AT2PO; aepo = entropy-triggered branching.")
-    n: int = option(16, "Rollouts (leaves) per prompt.")
-    tree_m: int = option(0, "Trees per prompt (Tree-GRPO) or initial chains (AT2PO).")
-    tree_n: int = option(0, "Tree-GRPO: nodes expanded per iteration.")
-    tree_l: int = option(0, "Expansion rounds.")
-    tree_k: int = option(0, "Tree-GRPO: leaves kept per tree; AT2PO: nodes expanded per round.")
-    expansion_penalty: float = option(0.05, "AT2PO: α in H(n) − α·(siblings − 1).")
+    n: int = option(16, "Rollouts (leaves) per prompt.", ge=1)
+    tree_m: int = option(0, "Trees per prompt (Tree-GRPO) or initial chains (AT2PO).", ge=0)
+    tree_n: int = option(0, "Tree-GRPO: nodes expanded per iteration.", ge=0)
+    tree_l: int = option(0, "Expansion rounds.", ge=0)
+    tree_k: int = option(0, "Tree-GRPO: leaves kept per tree; AT2PO: nodes expanded per round.",
+                         ge=0)
+    expansion_penalty: float = option(0.05, "AT2PO: α in H(n) − α·(siblings − 1).", ge=0)
     node_select: Literal["entropy", "random"] = option(
         "entropy", "AT2PO: expand the top-K nodes by score, or K random nodes (ablation).")
-    aepo_initial: int = option(0, "AEPO: initial chains per prompt.")
-    aepo_branch_probability: float = option(0.5, "AEPO: branch when p >= this.")
-    aepo_entropy_weight: float = option(0.2, "AEPO: w in p = U + w(H − H_init).")
+    aepo_initial: int = option(0, "AEPO: initial chains per prompt.", ge=0)
+    aepo_branch_probability: float = option(0.5, "AEPO: branch when p >= this.", ge=0, le=1)
+    aepo_entropy_weight: float = option(0.2, "AEPO: w in p = U + w(H − H_init).", ge=0)
 
 
 @dataclass(frozen=True)
@@ -120,10 +123,10 @@ class DapoConfig:
     dynamic_sampling: bool = option(False, "Drop groups with no reward spread; refill.")
     filter_metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = option(
         "seq_reward", "Metric whose spread decides whether a group is kept.")
-    gen_batch_multiplier: int = option(1, "Prompts generated per batch, as a multiple.")
-    max_num_gen_batches: int = option(10, "Give up after this many generation batches.")
-    overlong_buffer: int = option(0, "Overlong shaping buffer L_buf in tokens; 0 = off.")
-    overlong_factor: float = option(1.0, "Penalty at the maximum length.")
+    gen_batch_multiplier: int = option(1, "Prompts generated per batch, as a multiple.", ge=1)
+    max_num_gen_batches: int = option(10, "Give up after this many generation batches.", ge=1)
+    overlong_buffer: int = option(0, "Overlong shaping buffer L_buf in tokens; 0 = off.", ge=0)
+    overlong_factor: float = option(1.0, "Penalty at the maximum length.", ge=0)
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,11 @@ METHODS: dict[str, MethodConfig] = _build()
 METHODS_DIR = Path(__file__).resolve().parents[2] / "config" / "methods"
 
 
+def method_ids(methods_dir: str | Path | None = None) -> list[str]:
+    """Every method id: the built-in table's and `<methods_dir>/*.yaml`'s."""
+    return sorted(set(METHODS) | {p.stem for p in Path(methods_dir or METHODS_DIR).glob("*.yaml")})
+
+
 def get_method(method_id: str, methods_dir: str | Path | None = None) -> MethodConfig:
     """A method by id: `<methods_dir>/<id>.yaml` when it exists, else the built-in table.
 
@@ -296,7 +304,7 @@ def get_method(method_id: str, methods_dir: str | Path | None = None) -> MethodC
             raise ConfigError(f"{path}: id: {cfg.id!r} does not match the file name")
         return cfg
     if method_id not in METHODS:
-        valid = sorted(set(METHODS) | {p.stem for p in Path(path.parent).glob("*.yaml")})
+        valid = method_ids(path.parent)
         raise ConfigError(f"unknown method {method_id!r}; valid: {', '.join(valid)}")
     return METHODS[method_id]
 

@@ -80,7 +80,7 @@ class PrebuiltIndexConfig:
     expected_bytes: int | None = option(
         None,
         "Size of the concatenated index in bytes; null = only check that it equals the sum of the "
-        "part sizes the hub reports.",
+        "part sizes the hub reports.", ge=1
     )
 
     def __post_init__(self) -> None:
@@ -110,12 +110,12 @@ class CorpusConfig:
     expected_lines: int | None = option(
         21015324,
         "Number of lines (passages) the corpus must have, counted after gunzip; null = no check. "
-        "21,015,324 for wiki-18 (DPR Dec-2018 Wikipedia in 100-word passages).",
+        "21,015,324 for wiki-18 (DPR Dec-2018 Wikipedia in 100-word passages).", ge=1
     )
     expected_bytes: int | None = option(
         None,
         "Exact size of the corpus file in bytes, checked besides the size the hub reports; "
-        "null = only the hub's size.",
+        "null = only the hub's size.", ge=1
     )
     index: PrebuiltIndexConfig = option(
         doc="The prebuilt dense index (off by default).", factory=PrebuiltIndexConfig

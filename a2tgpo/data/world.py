@@ -46,9 +46,10 @@ class QASetSpec:
 
     name: str = option(doc="Dataset name; the folder under qa/ (e.g. toy_nq).")
     group: Literal["single_hop", "multi_hop"] = option(doc="Benchmark group it belongs to.")
-    splits: dict[str, int] = option(doc="Questions per split, e.g. {train: 300, dev: 50}.")
+    splits: dict[str, int] = option(doc="Questions per split, e.g. {train: 300, dev: 50}.", ge=0)
     mix: dict[str, float] = option(
-        doc="Fraction of each hop type (single, bridge, composition, comparison); sums to 1."
+        doc="Fraction of each hop type (single, bridge, composition, comparison); sums to 1.",
+        ge=0, le=1
     )
 
     def __post_init__(self) -> None:
@@ -80,15 +81,17 @@ def _default_sets() -> tuple[QASetSpec, ...]:
 class WorldConfig:
     """Sizes and seed of the toy world (`a2tgpo world`)."""
 
-    seed: int = option(0, "Random seed; the same seed and sizes give byte-identical files.")
-    countries: int = option(10, "Number of countries.")
-    cities: int = option(40, "Number of cities (each located in a country).")
-    people: int = option(150, "Number of people (born in a city, in a year; work for a company).")
-    films: int = option(80, "Number of films (directed by a person, released in a year).")
-    bands: int = option(30, "Number of bands (formed in a city, founded by a person, in a year).")
-    companies: int = option(40, "Number of companies (headquarters city, founder, year).")
+    seed: int = option(0, "Random seed; the same seed and sizes give byte-identical files.", ge=0)
+    countries: int = option(10, "Number of countries.", ge=1)
+    cities: int = option(40, "Number of cities (each located in a country).", ge=1)
+    people: int = option(150, "Number of people (born in a city, in a year; work for a company).",
+                         ge=1)
+    films: int = option(80, "Number of films (directed by a person, released in a year).", ge=1)
+    bands: int = option(30, "Number of bands (formed in a city, founded by a person, in a year).",
+                        ge=1)
+    companies: int = option(40, "Number of companies (headquarters city, founder, year).", ge=1)
     distractors: int = option(
-        80, "Distractor passages (events) that mention names but hold no asked-about fact."
+        80, "Distractor passages (events) that mention names but hold no asked-about fact.", ge=0
     )
     first_year: int = option(1900, "Earliest year of any dated fact.")
     last_year: int = option(1999, "Latest year of any dated fact.")

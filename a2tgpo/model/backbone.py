@@ -26,13 +26,14 @@ class ArchitectureConfig:
     config.json is on disk it is read instead, and must agree."""
 
     model_type: str = option(doc="config.json model_type (qwen3, qwen2, ...).")
-    hidden_size: int = option(doc="config.json hidden_size.")
-    intermediate_size: int = option(doc="config.json intermediate_size (MLP width).")
-    num_hidden_layers: int = option(doc="config.json num_hidden_layers.")
-    num_attention_heads: int = option(doc="config.json num_attention_heads.")
-    num_key_value_heads: int = option(doc="config.json num_key_value_heads.")
-    head_dim: int = option(doc="Per-head dimension (config.json head_dim, else hidden / heads).")
-    vocab_size: int = option(doc="config.json vocab_size (rows of the embedding).")
+    hidden_size: int = option(doc="config.json hidden_size.", ge=1)
+    intermediate_size: int = option(doc="config.json intermediate_size (MLP width).", ge=1)
+    num_hidden_layers: int = option(doc="config.json num_hidden_layers.", ge=1)
+    num_attention_heads: int = option(doc="config.json num_attention_heads.", ge=1)
+    num_key_value_heads: int = option(doc="config.json num_key_value_heads.", ge=1)
+    head_dim: int = option(doc="Per-head dimension (config.json head_dim, else hidden / heads).",
+                           ge=1)
+    vocab_size: int = option(doc="config.json vocab_size (rows of the embedding).", ge=1)
     tie_word_embeddings: bool = option(doc="config.json tie_word_embeddings.")
 
 
@@ -44,7 +45,7 @@ class BackboneConfig:
     path: str = option(doc="Local directory or hub model id (e.g. Qwen/Qwen3-4B).")
     revision: str | None = option(None, "Hub revision (commit, tag or branch); null = default.")
     dtype: Dtype = option("auto", "Weights dtype; auto = bfloat16 on GPU, float32 on CPU.")
-    max_model_len: int = option(8192, "Longest sequence (prompt + response) the runs use.")
+    max_model_len: int = option(8192, "Longest sequence (prompt + response) the runs use.", ge=1)
     chat_template: str | None = option(
         None, "Path to a Jinja chat template overriding the tokenizer's; null = keep it."
     )

@@ -35,19 +35,19 @@ CHAT_TEMPLATE = (
 class ToyBackboneConfig:
     """Tokenizer and model sizes of the toy backbone (`a2tgpo toy-backbone`)."""
 
-    seed: int = option(0, "Seed of the random weight initialisation.")
+    seed: int = option(0, "Seed of the random weight initialisation.", ge=0)
     vocab_size: int = option(
-        4096, "Target BPE vocabulary (the world's text may support fewer merges)."
+        4096, "Target BPE vocabulary (the world's text may support fewer merges).", ge=1
     )
-    min_frequency: int = option(2, "Minimum pair frequency for a BPE merge.")
-    hidden_size: int = option(128, "Model width.")
-    intermediate_size: int = option(512, "MLP width.")
-    num_hidden_layers: int = option(4, "Decoder layers.")
-    num_attention_heads: int = option(4, "Query heads.")
-    num_key_value_heads: int = option(2, "Key/value heads (grouped-query attention).")
-    head_dim: int = option(32, "Per-head dimension.")
-    max_position_embeddings: int = option(2048, "Context length the model supports.")
-    rope_theta: float = option(10000.0, "RoPE base.")
+    min_frequency: int = option(2, "Minimum pair frequency for a BPE merge.", ge=1)
+    hidden_size: int = option(128, "Model width.", ge=1)
+    intermediate_size: int = option(512, "MLP width.", ge=1)
+    num_hidden_layers: int = option(4, "Decoder layers.", ge=1)
+    num_attention_heads: int = option(4, "Query heads.", ge=1)
+    num_key_value_heads: int = option(2, "Key/value heads (grouped-query attention).", ge=1)
+    head_dim: int = option(32, "Per-head dimension.", ge=1)
+    max_position_embeddings: int = option(2048, "Context length the model supports.", ge=1)
+    rope_theta: float = option(10000.0, "RoPE base.", gt=0)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

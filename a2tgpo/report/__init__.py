@@ -46,7 +46,7 @@ class ReportConfig:
 
     metric: Literal["em", "f1"] = option(
         "em", "Metric of every table and of the β curve: em (exact match) or f1. Printed ×100.")
-    decimals: int = option(1, "Decimals of the printed percentages (the papers print 2).")
+    decimals: int = option(1, "Decimals of the printed percentages (the papers print 2).", ge=0)
     backbones: tuple[str, ...] = option(
         ("qwen3-4b", "qwen3-8b", "qwen2.5-7b"),
         "Order of the backbone blocks; backbones in the results but not listed follow, sorted.")
@@ -107,7 +107,7 @@ class ReportConfig:
         "a2tgpo", "Method of the β-sensitivity table and curve (A2TGPO Figure 9).")
     beta_main: float = option(
         0.3, "β of the β method's cells in the main and ablation tables and the other plots; "
-        "other methods run at several β show their β = 0 cells.")
+        "other methods run at several β show their β = 0 cells.", ge=0)
     beta_reference_methods: tuple[str, ...] = option(
         ("grpo", "igpo"), "Methods drawn as horizontal reference lines in the β curve.")
     advantage_methods: tuple[str, ...] = option(
@@ -117,15 +117,15 @@ class ReportConfig:
         "a2tgpo", "Method whose sampled rollouts give the Jaccard similarity plot (A2TGPO "
         "Figure 1, App. C.5).")
     tail_steps: int = option(
-        10, "The tool-call distribution averages the last this many logged training steps.")
+        10, "The tool-call distribution averages the last this many logged training steps.", ge=1)
     smoothing: int = option(
-        1, "Moving-average window (in logged points) of the training curves; 1 = none.")
+        1, "Moving-average window (in logged points) of the training curves; 1 = none.", ge=1)
     selection_labels: dict[str, str] = option(
         doc="Caption wording of each checkpoint-selection criterion of the cells' summaries "
         "(a criterion not listed is shown by the summary's label).",
         factory=lambda: {"dev_em": "dev-selected",
                          "test_avg": "best test average (papers' protocol)"})
-    dpi: int = option(150, "Resolution of the PNG plots.")
+    dpi: int = option(150, "Resolution of the PNG plots.", ge=1)
 
     def __post_init__(self) -> None:
         if self.decimals < 0:

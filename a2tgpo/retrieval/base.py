@@ -51,23 +51,23 @@ class HttpConfig:
         "Client: full URL of the /retrieve endpoint (ours or a Search-R1 retrieval server).",
     )
     timeout_s: float = option(
-        30.0, "Client: connect and read timeout of one HTTP attempt, in seconds."
+        30.0, "Client: connect and read timeout of one HTTP attempt, in seconds.", gt=0
     )
     retries: int = option(
         3,
         "Client: attempts in total per request (>= 1) before giving up; connection errors, "
-        "timeouts and HTTP 5xx are retried, HTTP 4xx and malformed responses are not.",
+        "timeouts and HTTP 5xx are retried, HTTP 4xx and malformed responses are not.", ge=1
     )
     backoff_s: float = option(
         0.5, "Client: sleep before the 2nd attempt, in seconds; doubled before each later one "
-        "(at most 10 s)."
+        "(at most 10 s).", ge=0
     )
     retry_budget_s: float = option(
         60.0, "Client: after `retries` attempts, go on retrying while the next attempt starts "
         "within this many seconds of the first: long enough for a server to restart (loading "
-        "a small index takes 8-15 s). 0 = `retries` attempts only.")
+        "a small index takes 8-15 s). 0 = `retries` attempts only.", ge=0)
     max_batch_queries: int = option(
-        512, "Client: most queries sent in one request; longer query lists go in several."
+        512, "Client: most queries sent in one request; longer query lists go in several.", ge=1
     )
     serve: Literal["external", "job"] = option(
         "external",
@@ -76,29 +76,32 @@ class HttpConfig:
         "end (`a2tgpo with-retriever`), and its client ignores `url`.",
     )
     start_timeout_s: float = option(
-        1800.0, "serve job: how long a job waits for its server to load the index and listen.")
+        1800.0, "serve job: how long a job waits for its server to load the index and listen.",
+        gt=0)
     host: str = option(
         "127.0.0.1",
         "Server: address to bind. 0.0.0.0 makes it reachable from other machines, without any "
         "authentication.",
     )
-    port: int = option(8000, "Server: TCP port to listen on (Search-R1's default is 8000).")
+    port: int = option(8000, "Server: TCP port to listen on (Search-R1's default is 8000).",
+                       ge=0, le=65535)
     max_batch: int = option(
         256,
         "Server: most queries per retriever call; concurrent requests are merged up to this. "
-        "One request larger than this is served alone, unsplit.",
+        "A request larger than this is searched in pieces, taking turns with the others.", ge=1
     )
     max_wait_ms: float = option(
         5.0,
         "Server: after the first request of a batch arrives, how long to wait for more before "
-        "searching, in milliseconds (latency traded for larger batches).",
+        "searching, in milliseconds (latency traded for larger batches).", ge=0
     )
     max_request_queries: int = option(
         4096, "Server: most queries one request may carry (HTTP 413 beyond; the client sends "
-        "max_batch_queries per request).")
-    max_topk: int = option(100, "Server: largest topk a request may ask (HTTP 422 beyond).")
+        "max_batch_queries per request).", ge=1)
+    max_topk: int = option(100, "Server: largest topk a request may ask (HTTP 422 beyond).", ge=1)
     max_body_bytes: int = option(
-        16 * 2**20, "Server: largest request body in bytes (HTTP 413 beyond, before parsing).")
+        16 * 2**20, "Server: largest request body in bytes (HTTP 413 beyond, before parsing).",
+        ge=1)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

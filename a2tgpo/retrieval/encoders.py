@@ -39,8 +39,8 @@ class EncoderConfig:
     query_prefix: str = option("", "Prepended to queries (e5: 'query: ').")
     passage_prefix: str = option("", "Prepended to passages (e5: 'passage: ').")
     normalize: bool = option(True, "L2-normalise embeddings (inner product = cosine).")
-    max_length: int = option(256, "Token limit per text; longer texts are truncated.")
-    batch_size: int = option(64, "Texts per forward pass.")
+    max_length: int = option(256, "Token limit per text; longer texts are truncated.", ge=1)
+    batch_size: int = option(64, "Texts per forward pass.", ge=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
         "auto", "Encoder weights dtype; auto = float16 on GPU, float32 on CPU."
     )

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 class BM25Config:
     """BM25 settings (bm25s), used when retrieval.retriever is bm25."""
 
-    k1: float = option(1.5, "Term-frequency saturation.")
-    b: float = option(0.75, "Length normalisation.")
+    k1: float = option(1.5, "Term-frequency saturation.", ge=0)
+    b: float = option(0.75, "Length normalisation.", ge=0, le=1)
     method: Literal["lucene", "robertson", "atire"] = option("lucene", "BM25 variant.")
     stopwords: str = option("en", "Stopword list name for bm25s.tokenize ('' = none).")
 
@@ -50,16 +50,16 @@ class RetrievalConfig:
         "inprocess", "inprocess = load the retriever in the rollout process; http = call a "
         "server (ours from `a2tgpo serve-retriever`, or an existing Search-R1 server).",
     )
-    topk: int = option(3, "Passages per search call (the papers use 3).")
+    topk: int = option(3, "Passages per search call (the papers use 3).", ge=1)
     max_passage_chars: int = option(
-        1000, "A2TGPO/AT2PO style: each passage is cut to this many characters."
+        1000, "A2TGPO/AT2PO style: each passage is cut to this many characters.", ge=1
     )
     encoder: EncoderConfig = option(doc="Dense encoder.", factory=EncoderConfig)
     index: IndexConfig = option(doc="Dense index build and load.", factory=IndexConfig)
     bm25: BM25Config = option(doc="BM25 settings.", factory=BM25Config)
     http: HttpConfig = option(doc="HTTP client and server settings.", factory=HttpConfig)
     eval_k: tuple[int, ...] = option(
-        (1, 3, 5), "k values of recall@k reported by `a2tgpo retrieval-eval`."
+        (1, 3, 5), "k values of recall@k reported by `a2tgpo retrieval-eval`.", ge=1
     )
 
     def __post_init__(self) -> None:

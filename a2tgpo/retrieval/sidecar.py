@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from a2tgpo.config import dump_config
+from a2tgpo.train.preemption import ANCHOR_ENV, anchor_value
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ def start_server(retrieval, corpus: str, index: str | None, state_dir: Path):
     if index is not None:
         cmd += ["--index", str(index)]
     with open(log_path, "ab") as out:
+        # anchored to this process, not to the workflow's: it serves the job to its end, and
+        # stops if this process is killed before it can stop the server itself
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True,
+                                  env={**os.environ, ANCHOR_ENV: anchor_value()})
     log.info("retrieval server starting (pid %d, index %s, log %s)", server.pid, index,
              log_path)
     deadline = time.monotonic() + retrieval.http.start_timeout_s

@@ -52,19 +52,20 @@ class AgentConfig:
     prompt_style: prompts.PromptStyle = option(
         "a2tgpo", "a2tgpo = A2TGPO/AT2PO system prompt, <result>, \\boxed{}; search_r1 = "
         "Search-R1's user prompt and <information>.")
-    temperature: float = option(1.0, "Sampling temperature (A2TGPO App. B: 1.0).")
-    top_p: float = option(1.0, "Nucleus sampling mass (1.0 = off).")
-    max_turn_tokens: int = option(500, "Sampled tokens per turn (Search-R1: 500).")
+    temperature: float = option(1.0, "Sampling temperature (A2TGPO App. B: 1.0).", ge=0)
+    top_p: float = option(1.0, "Nucleus sampling mass (1.0 = off).", gt=0, le=1)
+    max_turn_tokens: int = option(500, "Sampled tokens per turn (Search-R1: 500).", ge=1)
     max_response_tokens: int = option(
-        6192, "Total response tokens, observations included (A2TGPO App. B: 6192).")
-    max_obs_tokens: int = option(500, "Observation body tokens kept per search (Search-R1: 500).")
-    max_tool_calls: int = option(6, "Tool calls per trajectory (A2TGPO/AT2PO: 6).")
+        6192, "Total response tokens, observations included (A2TGPO App. B: 6192).", ge=1)
+    max_obs_tokens: int = option(500, "Observation body tokens kept per search (Search-R1: 500).",
+                                 ge=0)
+    max_tool_calls: int = option(6, "Tool calls per trajectory (A2TGPO/AT2PO: 6).", ge=0)
     at_call_limit: Literal["stop", "warn"] = option(
         "stop", "stop = end the episode (A2TGPO); warn = insert AT2PO's warning and continue.")
     on_invalid: Literal["stop", "retry"] = option(
         "stop", "stop = end the episode (A2TGPO); retry = Search-R1's invalid-action message.")
-    topk: int = option(3, "Passages per search (the papers: 3).")
-    max_passage_chars: int = option(1000, "A2TGPO style: characters kept per passage.")
+    topk: int = option(3, "Passages per search (the papers: 3).", ge=1)
+    max_passage_chars: int = option(1000, "A2TGPO style: characters kept per passage.", ge=1)
 
     def __post_init__(self) -> None:
         if min(self.max_turn_tokens, self.max_response_tokens, self.max_obs_tokens,

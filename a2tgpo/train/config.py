@@ -22,42 +22,42 @@ from a2tgpo.tracking import TrackingConfig
 class OptimConfig:
     """AdamW and its schedule (A2TGPO App. B: lr 1e-6, AdamW)."""
 
-    lr: float = option(1e-6, "Peak learning rate.")
-    betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas.")
-    weight_decay: float = option(0.01, "AdamW weight decay.")
-    warmup_steps: int = option(0, "Linear warmup over this many optimizer updates.")
-    grad_clip: float = option(1.0, "Max gradient norm (0 = no clipping).")
+    lr: float = option(1e-6, "Peak learning rate.", gt=0)
+    betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas.", ge=0, lt=1)
+    weight_decay: float = option(0.01, "AdamW weight decay.", ge=0)
+    warmup_steps: int = option(0, "Linear warmup over this many optimizer updates.", ge=0)
+    grad_clip: float = option(1.0, "Max gradient norm (0 = no clipping).", ge=0)
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Batch sizes and the step budget (A2TGPO App. B: 64 prompts, mini-batch 8, 240 steps)."""
 
-    steps: int = option(240, "RL steps (one rollout batch each).")
+    steps: int = option(240, "RL steps (one rollout batch each).", ge=1)
     prompts_per_step: int = option(64, "Questions per step (each rolled out method.rollout.n "
-                                        "times).")
+                                        "times).", ge=1)
     mini_batch_prompts: int = option(8, "Questions per optimizer update (prompts_per_step / "
-                                         "this = updates per step).")
+                                         "this = updates per step).", ge=1)
     micro_batch_size: int = option(8, "Trajectories per forward/backward (memory knob only: "
-                                       "losses use global denominators).")
+                                       "losses use global denominators).", ge=1)
     micro_batch_tokens: int = option(
         0, "Token budget of an update's micro-batch: rows sorted by length are packed so that "
         "rows x longest row stays within it (padding only inside a micro-batch); 0 = "
-        "micro_batch_size rows each. Memory knob only, like micro_batch_size.")
-    ppo_epochs: int = option(1, "Passes over each step's rollouts.")
-    eval_every: int = option(20, "Greedy validation on the dev split every N steps.")
-    eval_questions: int = option(0, "Dev questions per validation (0 = all).")
-    save_every: int = option(20, "Checkpoint every N steps (and at the end).")
-    keep_last: int = option(2, "Checkpoints kept besides those selection needs.")
+        "micro_batch_size rows each. Memory knob only, like micro_batch_size.", ge=0)
+    ppo_epochs: int = option(1, "Passes over each step's rollouts.", ge=1)
+    eval_every: int = option(20, "Greedy validation on the dev split every N steps.", ge=1)
+    eval_questions: int = option(0, "Dev questions per validation (0 = all).", ge=0)
+    save_every: int = option(20, "Checkpoint every N steps (and at the end).", ge=1)
+    keep_last: int = option(2, "Checkpoints kept besides those selection needs.", ge=1)
     max_nonfinite_steps: int = option(
         0, "Consecutive steps with a non-finite loss or gradient norm tolerated before "
         "training stops with an error (the newest checkpoint is from before them). Backend "
         "single skips such a step's updates; DeepSpeed applies them as it does (no skip in "
-        "bf16/fp32), so there the next steps are usually non-finite too.")
+        "bf16/fp32), so there the next steps are usually non-finite too.", ge=0)
     optimizer_states: int = option(
         2, "Newest checkpoints that keep the optimizer state (backend/): with 2, a run whose "
         "newest checkpoint is found damaged resumes exactly from the one before; 1 saves the "
-        "disk (12 B x parameters per checkpoint) and such a run stops instead.")
+        "disk (12 B x parameters per checkpoint) and such a run stops instead.", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +73,8 @@ class TrainSettings:
     device: str = option("auto", "torch device; auto = cuda when available.")
     backend: Literal["single", "deepspeed"] = option(
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
-    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1 or 2; backend deepspeed).")
-    ig_batch_size: int = option(8, "Trajectories per information-gain forward.")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (1 or 2; backend deepspeed).", ge=1, le=3)
+    ig_batch_size: int = option(8, "Trajectories per information-gain forward.", ge=1)
     gradient_checkpointing: bool = option(
         False, "Recompute each decoder layer's activations in backward instead of keeping them "
         "(activation memory ~ layers x hidden per token instead of all intermediates; about "
@@ -86,13 +86,13 @@ class TrainSettings:
         "= the partitions in CPU memory. zero3* need backend deepspeed.")
     rollout_tp: int = option(
         1, "engine vllm: ranks (GPUs) per rollout engine, tensor parallel; the first rank of "
-        "each group runs the group's rollouts (1 = one engine per rank).")
+        "each group runs the group's rollouts (1 = one engine per rank).", ge=1)
     engine_memory_share: float = option(
         0.6, "engine vllm: share of its GPUs' memory the engine takes (vLLM "
-        "gpu_memory_utilization; the released A2TGPO/AT2PO scripts: 0.6).")
+        "gpu_memory_utilization; the released A2TGPO/AT2PO scripts: 0.6).", gt=0, le=1)
     engine_kv_cache_gb: float | None = option(
         None, "engine vllm: fixed KV cache size in GiB; null = vLLM's own (the memory share on "
-        "GPU, its CPU default on CPU).")
+        "GPU, its CPU default on CPU).", gt=0)
     engine_sleep: bool = option(
         True, "engine vllm: release the engine's memory (vLLM sleep level 1) during the "
         "log-prob passes and the update, wake it for rollouts; a no-op where vLLM has no sleep "
@@ -102,7 +102,7 @@ class TrainSettings:
         "and, when the longest of the last steps plus the last save would end less than this "
         "many seconds before it, saves and exits 75 (resumable) instead of being killed "
         "mid-step. The profile's --signal=TERM@N is the second line: it stops at the next "
-        "rollout wave.")
+        "rollout wave.", ge=0)
 
     def __post_init__(self) -> None:
         if self.stop_margin_s < 0:
@@ -133,7 +133,8 @@ class TrainConfig(TrainSettings):
                                   "there).")
     study: str = option("toy", "Study name (MLflow experiment).")
     cell: str = option("", "Grid cell path, e.g. backbone~toy/method~grpo/beta~0/seed~1.")
-    seed: int = option(1, "Seed of data order, sampling and initialisation of anything random.")
+    seed: int = option(1, "Seed of data order, sampling and initialisation of anything random.",
+                       ge=0)
     backbone: BackboneConfig = option(doc="Starting policy (the toy: the warm-started model).")
     method: MethodConfig = option(doc="The method, fully resolved (config/methods/<id>.yaml).")
     train_file: str = option(doc="Prepared training questions (parquet).")
@@ -167,27 +168,28 @@ class TrainConfig(TrainSettings):
 class SftConfig:
     """The supervised warm start (sft section)."""
 
-    seed: int = option(0, "Seed of the demonstration choices, the data order and torch.")
+    seed: int = option(0, "Seed of the demonstration choices, the data order and torch.", ge=0)
     datasets: tuple[str, ...] = option(
         ("toy_nq/train", "toy_hotpotqa/train"),
         "World QA files <dataset>/<split> (qa/<dataset>/<split>.jsonl) to write demonstrations "
         "for; their rows need metadata.lookups.")
     max_questions: int | None = option(
-        None, "Use at most this many questions (a seeded sample); null = all.")
+        None, "Use at most this many questions (a seeded sample); null = all.", ge=1)
     imperfect_fraction: float = option(
         0.25, "Share of demonstrations that are deliberately imperfect (guess, early answer, "
-        "wrong query), so the starting policy leaves RL room to improve.")
+        "wrong query), so the starting policy leaves RL room to improve.", ge=0, le=1)
     # toy defaults, measured on 2 CPU cores: 12 epochs of the 540 training demonstrations
     # take about 160 s and give greedy dev EM ~0.3 (0.42 single-hop, 0.26 multi-hop)
-    epochs: int = option(12, "Passes over the demonstrations.")
-    lr: float = option(5e-3, "Peak AdamW learning rate.")
-    warmup_ratio: float = option(0.05, "Share of the steps with a linear warm-up to lr.")
-    weight_decay: float = option(0.01, "AdamW weight decay.")
-    batch_size: int = option(4, "Sequences per optimiser step.")
-    grad_clip: float = option(1.0, "Gradient-norm clip (0 = off).")
+    epochs: int = option(12, "Passes over the demonstrations.", ge=1)
+    lr: float = option(5e-3, "Peak AdamW learning rate.", gt=0)
+    warmup_ratio: float = option(0.05, "Share of the steps with a linear warm-up to lr.",
+                                 ge=0, le=1)
+    weight_decay: float = option(0.01, "AdamW weight decay.", ge=0)
+    batch_size: int = option(4, "Sequences per optimiser step.", ge=1)
+    grad_clip: float = option(1.0, "Gradient-norm clip (0 = off).", ge=0)
     max_seq_len: int = option(
-        2048, "Demonstrations longer than this (prompt + response tokens) are left out.")
-    log_every: int = option(10, "Optimiser steps between loss updates of the progress bar.")
+        2048, "Demonstrations longer than this (prompt + response tokens) are left out.", ge=1)
+    log_every: int = option(10, "Optimiser steps between loss updates of the progress bar.", ge=1)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.imperfect_fraction <= 1.0:

@@ -34,8 +34,11 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,67 @@ class PreemptionHandler:
             signal.signal(sig, previous)
         self._previous.clear()
         _requests.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# the anchor: a job ends with the Snakemake that started it
+
+# "<host>:<pid>:<start time>" of the process whose end ends this one's job. The workflow sets
+# it to Snakemake's own (workflow/rules/common.smk) and every process of a job inherits it, so a
+# killed Snakemake leaves no orphans: each a2tgpo process of its jobs gets SIGTERM, and a
+# trainer checkpoints at its next safe point and exits, releasing its run folder.
+ANCHOR_ENV = "A2TGPO_ANCHOR"
+ANCHOR_POLL_S = 2.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if
+    it has ended (or is a zombie). With the pid it names one process: pids are reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def anchor_value(pid: int | None = None) -> str:
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
+
+
+def anchor_alive(value: str) -> bool | None:
+    """Whether the anchor process still runs; None where this host cannot tell (another host's
+    process, a malformed value, no /proc)."""
+    try:
+        host, pid, start = value.rsplit(":", 2)
+        pid_n = int(pid)
+    except ValueError:
+        return None
+    if host != socket.gethostname() or start == "None" or not Path("/proc").is_dir():
+        return None
+    return _start_time(pid_n) == start
+
+
+def watch_anchor(sig: signal.Signals = signal.SIGTERM, *, poll_s: float = ANCHOR_POLL_S,
+                 environ: dict[str, str] | None = None) -> threading.Thread | None:
+    """Send `sig` to this process once the $A2TGPO_ANCHOR process has ended (a daemon thread
+    polling every `poll_s`); None (no watch) without an anchor this host can see."""
+    value = (os.environ if environ is None else environ).get(ANCHOR_ENV, "")
+    if not value or not anchor_alive(value):  # None: not visible here; False: gone already,
+        return None                           # and this job was started on purpose after it
+
+    def watch() -> None:
+        while anchor_alive(value):
+            time.sleep(poll_s)
+        log.warning("the process that started this job (%s) has ended: sending %s to "
+                    "myself (pid %d) so the job stops rather than running on unseen",
+                    value, signal.Signals(sig).name, os.getpid())
+        os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=watch, name="anchor-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 # --------------------------------------------------------------------------------------------

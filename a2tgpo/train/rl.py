@@ -29,6 +29,7 @@ writes the run folder and tracks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ from a2tgpo.algo.masks import gather_turns
 from a2tgpo.algo.methods import MethodConfig
 from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
 from a2tgpo.eval.select import best_step
+from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question, SearchTool
@@ -82,6 +84,7 @@ from a2tgpo.train.distributed import (
     SingleBackend,
     engine_placement,
     init_distributed,
+    launcher_env,
 )
 from a2tgpo.train.preemption import (
     EXIT_PREEMPTED,
@@ -138,7 +141,9 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training job; returns the final summary. A time limit or a
     preemption ends it early with a checkpoint and EXIT_PREEMPTED (a2tgpo/train/preemption.py):
     safe points are each rollout wave and the end of each step."""
-    with PreemptionHandler() as preempt:  # before the set-up: loading a model takes minutes
+    # the stop handler before the set-up (loading a model takes minutes); the run folder's
+    # writer lock before anything is written there
+    with PreemptionHandler() as preempt, _run_folder_lock(cfg):
         run = start_run(cfg)
         with run.tracker:
             summary = _loop(run, preempt)
@@ -742,6 +747,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _run_folder_lock(cfg: TrainConfig):
+    """One writer per run folder: rank 0 holds its lock for the whole job (a second job on the
+    same cell fails at once with the holder's pid and host; a2tgpo/lock.py)."""
+    rank = int(launcher_env()["RANK"]) if cfg.backend == "deepspeed" else 0
+    return folder_lock(cfg.run_dir, "run folder") if rank == 0 else contextlib.nullcontext()
 
 
 def _resume_point(run_dir: Path, rank: int, distributed: bool) -> Path | None:

@@ -11,6 +11,8 @@ excepted). The SLURM path (the signal from a real time limit) is tests/workflow/
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,10 +24,12 @@ from a2tgpo.train import rl
 from a2tgpo.train.checkpoint import latest_checkpoint, list_checkpoints
 from a2tgpo.train.config import ScheduleConfig
 from a2tgpo.train.preemption import (
+    ANCHOR_ENV,
     EXIT_PREEMPTED,
     PreemptionHandler,
     StopRequested,
     TimeBudget,
+    anchor_value,
     check_stop,
     job_end_time,
 )
@@ -144,6 +148,40 @@ def test_time_budget_stops_before_a_step_that_would_not_fit(toy_train_config, st
     assert stopped.value.code == EXIT_PREEMPTED
     assert latest_checkpoint(cfg.run_dir).name == "step_000001"
     monkeypatch.delenv("SLURM_JOB_END_TIME")
+    _assert_resumes_exactly(cfg, cfg.run_dir, straight)
+
+
+def test_a_job_whose_snakemake_ends_checkpoints_and_exits(toy_train_config, straight, tmp_path):
+    # `a2tgpo train` as the workflow starts it, anchored to a stand-in for Snakemake; killing
+    # the stand-in mid-training must stop the job as a SIGTERM does (checkpoint, exit 75), not
+    # leave it writing its run folder unseen
+    from a2tgpo.config import dump_config
+
+    cfg = _config(toy_train_config, tmp_path / "run")
+    dump_config(cfg, tmp_path / "cell.yaml")
+    snakemake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    job = subprocess.Popen(
+        [sys.executable, "-m", "a2tgpo.cli", "train", str(tmp_path / "cell.yaml")],
+        env={**os.environ, ANCHOR_ENV: anchor_value(snakemake.pid)},  # threads as in `straight`
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.exists() and any(r["step"] >= 1 for r in read_metrics(cfg.run_dir))):
+            assert job.poll() is None, job.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step logged after 5 minutes"
+            time.sleep(0.05)
+        snakemake.kill()
+        snakemake.wait()
+        _, err = job.communicate(timeout=300)
+    finally:
+        snakemake.kill()
+        job.kill()
+    assert job.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "the process that started this job" in err and "has ended" in err
+    # it stopped within a step or two, with a checkpoint of where it stopped (save_every is 10)
+    stopped = latest_checkpoint(cfg.run_dir)
+    assert 1 <= int(stopped.name.split("_")[1]) < STEPS
     _assert_resumes_exactly(cfg, cfg.run_dir, straight)
 
 

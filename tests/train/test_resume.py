@@ -1,4 +1,5 @@
-"""A training job killed with SIGKILL and rerun ends exactly where an uninterrupted job ends.
+"""A training job killed with SIGKILL and rerun ends exactly where an uninterrupted job ends;
+while it runs, a second job on its run folder is refused.
 
 Both runs are real `a2tgpo train` processes on the toy world (GRPO from the warm-started
 model). The interrupted one is killed right after its second checkpoint, and its newest
@@ -20,6 +21,7 @@ import torch
 
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.config import dump_config
+from a2tgpo.lock import holder
 from a2tgpo.tracking import read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 from a2tgpo.train.config import ScheduleConfig
@@ -74,6 +76,16 @@ def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
 
     proc = subprocess.Popen(_command(tmp_path / "killed.yaml"), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # one writer per run folder: a second job on it, once the first holds it, fails at once
+    # naming the first (it has not saved a checkpoint yet: the kill below is not delayed)
+    while holder(runs["killed"]) is None or holder(runs["killed"])["pid"] != proc.pid:
+        assert proc.poll() is None, "the job ended before it held its run folder"
+        time.sleep(0.02)
+    second = subprocess.run(_command(tmp_path / "killed.yaml"), env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert f"run folder {runs['killed']} is in use by pid {proc.pid}" in second.stderr
+    assert proc.poll() is None  # and the first goes on
     marker = runs["killed"] / "checkpoints" / f"step_{KILL_AFTER:06d}" / "COMPLETE"
     deadline = time.time() + 600
     while not marker.exists():
@@ -96,6 +108,8 @@ def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
     rerun = subprocess.run(_command(tmp_path / "killed.yaml"), env=_env(), capture_output=True,
                            text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # the killed job's lock was released by its end: taken over
+    assert f"took over the lock last held by pid {proc.pid}" in rerun.stderr
     assert f"{latest} is damaged: model/model.safetensors has sha256" in rerun.stderr
     assert f"resumed from {latest.with_name(f'step_{before:06d}')} (step {before})" \
         in rerun.stderr

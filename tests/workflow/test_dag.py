@@ -37,15 +37,32 @@ def test_dry_run_hub_corpus_plans_download(workdir):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("world={'peeple': 3}", "peeple"),                 # unknown key (schema)
-    ("world={'people': 'many'}", "many"),              # wrong type (schema)
-    ("backbones=['nope']", "no backbone file"),        # cross-file check (strict loader)
+    ("world={'peeple': 3}", "world.peeple: unknown key (did you mean 'people'?)"),
+    ("world={'people': 'many'}", "world.people: expected int, got 'many'"),
+    ("backbones=['nope']", "backbones[0]: no backbone file"),  # cross-file check
+    # a nested --config value (Snakemake reads it as the string '0'), out of range
+    ("train={'schedule': {'save_every': 0}}",
+     "train.schedule.save_every: 0 is out of range: must be >= 1"),
+    # check_study, which `a2tgpo check-config` runs too
+    ("train={'method_overrides': {'a2tgop': ['method.rollout.n=4']}}",
+     "train.method_overrides.a2tgop: matches no method id"),
 ])
 def test_invalid_config_fails_before_any_job(workdir, override, needle):
     r = smk(workdir, "-n", "--config", override)
     assert r.returncode != 0
-    assert needle in r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    # our message first, naming the config's files, not the JSON schema's dump
+    assert f"invalid config: config (config/config.yaml + --config {override}): " in out, out
+    assert needle in out
+    assert "Failed validating" not in out and "additionalProperties" not in out
     assert not (workdir / "results").exists()
+
+
+def test_nested_config_values_reach_the_study_typed(workdir):
+    # the README's example: the lr given inside a mapping value on the command line
+    r = smk(workdir, "-n", "--config", "train={'optim': {'lr': 3e-4}, 'schedule': {'steps': 5}}",
+            "--quiet", "rules")
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
@@ -151,6 +168,51 @@ def test_toy_dag_end_to_end(workdir):
     assert r.returncode == 0, r.stderr
     for rule in ("world", "prepare_data", "train", "evaluate", "tables"):
         assert rule in r.stdout
+
+
+@pytest.mark.expensive
+def test_killed_snakemake_leaves_one_writer_per_run_folder(workdir):
+    # Snakemake killed mid-training (SIGKILL: no chance to clean up): its training job must not
+    # run on unseen (it checkpoints and exits), and the rerun after --unlock resumes the cell
+    # with one writer: every step trained and logged once
+    import signal
+    import time
+
+    from a2tgpo.lock import holder
+    from a2tgpo.tracking import read_metrics
+
+    small_toy(workdir, methods=("grpo",))
+    cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    cfg["train"]["schedule"].update(steps=8, eval_every=4, save_every=4)
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    run = workdir / "results/toy/runs/backbone~toy/method~grpo/beta~0/seed~1"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    first = subprocess.Popen([SNAKEMAKE, "--cores", "2"], cwd=workdir, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 900
+        while not ((run / "metrics.jsonl").exists()
+                   and any(r["step"] >= 2 for r in read_metrics(run))):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        job = holder(run)["pid"]
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        t0 = time.monotonic()
+        while Path(f"/proc/{job}").exists() and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{job}").exists(), "the training job outlived its Snakemake"
+        print(f"the orphaned training job ended {time.monotonic() - t0:.1f} s after the kill")
+    finally:
+        first.kill()
+    log = (workdir / "results/toy/logs/runs" / run.relative_to(workdir / "results/toy/runs")
+           / "train.log").read_text()
+    assert "has ended: sending SIGTERM" in log and "exit 75 (resumable)" in log
+    assert smk(workdir, "--unlock").returncode == 0
+    r = smk(workdir, "--cores", "2", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained = [row["step"] for row in read_metrics(run) if "train/reward" in row]
+    assert trained == list(range(1, 9))
 
 
 def test_dry_run_papers_selection_evaluates_every_checkpoint(workdir):

@@ -5,18 +5,50 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-# 1. the JSON schema (generated from the dataclasses by `a2tgpo config-doc --schema`)
-validate(config, "../schemas/config.schema.yaml")
-
-# 2. the strict loader: the same dataclasses, plus cross-file checks (backbone files exist)
 import a2tgpo.study as study_lib
-from a2tgpo.config import ConfigError, to_dict
+from a2tgpo.config import ConfigError, parse_override, to_dict
 from a2tgpo.study import study_from_dict
 
+
+def _typed_config_args():
+    """--config values as YAML reads them: Snakemake reads the scalars inside a mapping value
+    ("train={'optim': {'lr': 3e-4}}") as strings, which no number key accepts."""
+
+    def merge(node, value):
+        if isinstance(node, dict) and isinstance(value, dict):
+            for k, v in value.items():
+                node[k] = merge(node.get(k), v)
+            return node
+        return value
+
+    for arg in workflow.config_settings.config_args or ():
+        (key, *rest), value = parse_override(arg)
+        if not rest:
+            config[key] = merge(config.get(key), value)
+
+
+# 1. the strict loader (file, key, a suggestion), then every check that needs more than the
+# file (a2tgpo.study.check_study: the grid, overrides, sweeps, memory plans; `a2tgpo
+# check-config` runs the same function); the main process plans, job processes need not
+def _config_source():
+    """Where the config came from, for error messages: its files and --config values."""
+    parts = [str(f) for f in workflow.configfiles]
+    if workflow.config_settings.config_args:
+        parts.append("--config " + " ".join(workflow.config_settings.config_args))
+    return "config (" + " + ".join(parts) + ")"
+
+
 try:
-    STUDY = study_from_dict(config, source="config (config/config.yaml + --configfile/--config)")
+    _typed_config_args()
+    STUDY = study_from_dict(config, source=_config_source())
+    CHECKS = study_lib.check_study(STUDY, _config_source(), plan=workflow.is_main_process)
 except ConfigError as e:
     sys.exit(f"invalid config: {e}")
+
+# 2. the JSON schema (generated from the same dataclasses by `a2tgpo config-doc --schema`)
+# on the config as loaded: it cannot fail where the loader passed, unless the schema file is
+# stale
+validate(to_dict(STUDY), "../schemas/config.schema.yaml")
 
 R = str(STUDY.root)  # results/<study>
 
@@ -28,10 +60,15 @@ from a2tgpo.model.fetch import encoder_is_hub_id, is_hub_id
 
 for _var, _path in study_lib.cache_env(STUDY).items():
     os.environ.setdefault(_var, _path)
+
+# jobs end with the Snakemake that started them: killed, it leaves no orphan writing a run
+# folder (a2tgpo/train/preemption.py, "the anchor"); a job's own Snakemake on SLURM re-parses
+# this file, so it anchors that job's processes
+from a2tgpo.train.preemption import ANCHOR_ENV, anchor_value
+
+os.environ[ANCHOR_ENV] = anchor_value()
 BACKBONES = {b: STUDY.backbone(b) for b in STUDY.backbones}
 TOY_BACKBONES = {b: cfg for b, cfg in BACKBONES.items() if cfg.needs_build}
-if len({cfg.path for cfg in TOY_BACKBONES.values()}) > 1:
-    sys.exit("invalid config: all built (toy) backbones must share one path")
 
 
 def uses_world():
@@ -78,33 +115,22 @@ wildcard_constraints:
 from a2tgpo.grid import CELL_PATTERN, Cell
 
 TRACKS = STUDY.track_names  # ("",) without tracks: one model on all training sets
-SET_CELLS = study_lib.study_cells(STUDY)
+SET_CELLS = CHECKS.cells
 DEFAULT_CELLS = list(dict.fromkeys(c for s in STUDY.grid.default for c in SET_CELLS[s]))
 
 # 3. every cell's memory plan fits its GPUs and its job's memory request, and so does every
-# evaluation job's, checked once by the main process before anything is submitted; a null
-# train.mem_mb / eval.mem_mb becomes the plan's host memory x 1.25; `a2tgpo plan CONFIG`
-# prints the whole plan
+# evaluation job's (checked in 1.); a null train.mem_mb / eval.mem_mb becomes the plan's host
+# memory x 1.25; `a2tgpo plan CONFIG` prints the whole plan
 TRAIN_MEM_MB, EVAL_MEM_MB = {}, {}
 if workflow.is_main_process:
-    from a2tgpo.plan import MIB, plan_evals, plan_study, refusal
+    from a2tgpo.plan import MIB
 
-    _plans = plan_study(STUDY)
-    _evals = plan_evals(STUDY)
-    _refused = refusal(_plans, _evals)
-    if _refused:
-        sys.exit(f"invalid config: {_refused}")
-    TRAIN_MEM_MB = {p.cell: round(p.mem_request / MIB) for p in _plans}
-    EVAL_MEM_MB = {e.backbone: round(e.mem_request / MIB) for e in _evals}
+    TRAIN_MEM_MB = {p.cell: round(p.mem_request / MIB) for p in CHECKS.plans}
+    EVAL_MEM_MB = {e.backbone: round(e.mem_request / MIB) for e in CHECKS.evals}
     # 4. retries of the train rule: the jobs the longest cell needs at train.runtime_min
-    from a2tgpo.plan import plan_retries
-
-    _retries = plan_retries(STUDY, _plans, {p.cell: f"{R}/runs/{p.cell}" for p in _plans})
-    if _retries.error:
-        sys.exit(f"invalid config: {_retries.error}")
-    for _line in _retries.lines:
+    for _line in CHECKS.retries.lines:
         print(_line, file=sys.stderr)
-    TRAIN_RETRIES = _retries.retries
+    TRAIN_RETRIES = CHECKS.retries.retries
 else:
     TRAIN_RETRIES = None  # jobs run one attempt; the main process resubmits
 
@@ -223,53 +249,10 @@ wildcard_constraints:
 
 
 # --------------------------------------------------------------------------------------------
-# Optuna sweeps (rules in sweep.smk): each sweep file listed in the study config is loaded and
-# checked against the study here, with the rest of the config, before any job starts
+# Optuna sweeps (rules in sweep.smk): each sweep file listed in the study config, loaded and
+# checked against the study in 1.
 
-from a2tgpo.algo.methods import get_method
-from a2tgpo.grid import normalize_beta
-from a2tgpo.sweep import check_method, load_sweep
-
-
-def _load_sweeps():
-    sweeps = {}
-    for i, path in enumerate(STUDY.sweeps):
-        try:
-            sw = load_sweep(path)
-            if sw.base.backbone not in STUDY.backbones:
-                raise ConfigError(
-                    f"{path}: base.backbone: {sw.base.backbone!r} is not one of "
-                    f"the study's backbones ({', '.join(STUDY.backbones)})"
-                )
-            if sw.base.track not in TRACKS:
-                raise ConfigError(
-                    f"{path}: base.track: {sw.base.track!r} is not one of the "
-                    f"study's tracks ({', '.join(map(repr, TRACKS))})"
-                )
-            method = get_method(sw.base.method, STUDY.methods_dir)
-            check_method(sw, method, path)
-        except ConfigError as e:
-            sys.exit(f"invalid config: sweeps[{i}]: {e}")
-        if sw.name in sweeps:
-            sys.exit(
-                f"invalid config: sweeps[{i}]: {path}: name {sw.name!r} is also the name "
-                f"of {sweeps[sw.name][0]}"
-            )
-        sweeps[sw.name] = (
-            path,
-            sw,
-            Cell(
-                sw.base.backbone,
-                sw.base.method,
-                normalize_beta(method.advantage.beta),
-                sw.base.seed,
-                sw.base.track,
-            ),
-        )
-    return sweeps
-
-
-SWEEPS = _load_sweeps()  # name -> (file, SweepConfig, base cell)
+SWEEPS = CHECKS.sweeps  # name -> (file, SweepConfig, base cell)
 
 
 def sweep_base(name):

@@ -1,0 +1,236 @@
+"""Every command the README shows, and every example in `a2tgpo ... --help`, works as written.
+
+The commands are extracted from the README's ```bash blocks and the CLI's help texts, and each
+one must match an entry of CHECKS, which says how it is checked:
+
+  run     executed (outputs under /tmp go to tmp_path; `rerun` with --dry-run, which resolves
+          the study and the one cell its selectors name, and prints what it would run)
+  dry     a Snakemake command, run with -n in that copy (the same config parsing, checks and
+          DAG; no job runs). Commands of one config and profile share one dry run with all
+          their targets
+  parse   an `a2tgpo` command that needs what this machine lacks (a cluster, results of a real
+          run, another environment): parsed exactly as `a2tgpo` parses it (cli.parse_args);
+          `rehearse`'s inner Snakemake command is dry-run too
+  serve   a server: started, answered one request, stopped
+  env     environment set-up: the script exists and is valid bash, or a PATH change
+
+A README command no entry matches fails the test, so a new one cannot go unchecked.
+"""
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def readme_commands() -> list[str]:
+    """The README's shell commands: ```bash blocks, continuation lines joined, comments cut."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^\s*```bash\n(.*?)^\s*```", text, flags=re.M | re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv:
+                commands.append(shlex.join(argv))
+    return commands
+
+
+def help_commands() -> list[str]:
+    """`a2tgpo ...` examples in the help of every subcommand (description and epilog)."""
+    from a2tgpo.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    found = []
+    for p in sub.choices.values():
+        for text in (p.description or "", p.epilog or ""):
+            for m in re.finditer(r"(?:^|example: |e\.g\.\n)\s*(a2tgpo [^\n]+)", text, re.M):
+                found.append(shlex.join(shlex.split(m.group(1))))
+    return list(dict.fromkeys(found))
+
+
+# (pattern on the command, how it is checked); the first match wins
+CHECKS = [
+    (r"\./run pytest", "env"),  # the test command itself: .ci/run runs it (checked below)
+    (r"(\./run )?snakemake( |$)", "dry"),
+    (r"\./run a2tgpo (config-doc|world)( |$)", "run"),
+    (r"a2tgpo (world)( |$)", "run"),
+    (r"(\./run )?a2tgpo rerun ", "run"),  # with --dry-run: it prints what it would do
+    (r"(\./run )?a2tgpo (sync-mlflow|rehearse)( |$)", "parse"),
+    (r"\./run mlflow ui ", "serve"),
+    (r"export '?PATH=", "env"),
+    (r"bash scripts/\S+\.sh", "env"),
+    (r"\.venv-gpu/bin/python -m pytest -m gpu", "env"),
+]
+
+
+def how(command: str) -> str | None:
+    return next((kind for pattern, kind in CHECKS if re.match(pattern, command)), None)
+
+
+def test_every_documented_command_has_a_check():
+    commands = readme_commands() + help_commands()
+    # the README's first two commands are the contract: the main job, then the tests
+    assert commands[:2] == ["./run snakemake", "./run pytest"]
+    assert "./run pytest" in (ROOT / ".ci/run").read_text()
+    assert len(commands) >= 20, commands  # the extraction finds the blocks
+    unchecked = [c for c in commands if how(c) is None]
+    assert not unchecked, f"documented commands with no check in CHECKS: {unchecked}"
+
+
+def _local(command: str, tmp_path: Path) -> list[str]:
+    """argv of a documented command for this machine: ./run's environment, outputs in tmp."""
+    argv = shlex.split(command.replace("/tmp/", f"{tmp_path}/"))
+    if argv[0] == "./run":
+        argv = argv[1:]
+    return [str(BIN / argv[0]) if (BIN / argv[0]).exists() else argv[0], *argv[1:]]
+
+
+def _env():
+    return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def test_documented_parse_commands_parse(tmp_path):
+    from a2tgpo.cli import parse_args
+
+    for command in readme_commands() + help_commands():
+        if how(command) != "parse":
+            continue
+        argv = shlex.split(re.sub(r"<[a-z]+>", "x", command))  # <cell>, <host>: any value
+        argv = argv[argv.index("a2tgpo") + 1:]
+        try:
+            args = parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{command!r} does not parse (exit {e.code})")
+        assert args.command == argv[0]
+
+
+def test_documented_run_commands_work(tmp_path, capsys):
+    ran = []
+    for command in readme_commands() + help_commands():
+        if how(command) != "run":
+            continue
+        argv = _local(command, tmp_path)
+        if argv[0] == "a2tgpo":
+            argv[0] = str(BIN / "a2tgpo")
+        if "rerun" in argv:
+            argv.insert(argv.index("rerun") + 1, "--dry-run")
+        r = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, f"{command}: {r.stderr[-2000:]}"
+        ran.append(command)
+        if "rerun" in argv:
+            assert "would archive" in r.stdout, r.stdout
+        if " world " in f" {command} ":
+            # the overrides after --section took effect
+            import json
+
+            out = Path(argv[argv.index("--out") + 1])
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["seed"] == 3 and summary["entities"]["person"] == 200
+    assert len(ran) >= 5, ran
+
+
+def test_documented_env_commands_exist():
+    for command in readme_commands():
+        script = next((a for a in shlex.split(command) if a.endswith(".sh")), None)
+        if how(command) == "env" and script:
+            assert (ROOT / script).is_file(), command
+            r = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, f"{script}: {r.stderr}"
+
+
+@pytest.mark.expensive
+def test_documented_gpu_test_command_selects_tests():
+    assert ".venv-gpu/bin/python -m pytest -m gpu" in readme_commands()
+    # the same selection in this environment (the tests skip here without a GPU)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                        "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and re.search(r"\d+/\d+ tests collected", r.stdout), \
+        r.stdout[-2000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.expensive
+def test_documented_servers_start(tmp_path):
+    for command in readme_commands():
+        if how(command) != "serve":
+            continue
+        port = str(_free_port())
+        argv = _local(re.sub(r"--port \d+", f"--port {port}", command), tmp_path)
+        # its store path is relative: results/toy/ of a fresh folder
+        (tmp_path / "results/toy").mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, f"{command}: {proc.stderr.read()[-2000:]}"
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
+                                                timeout=2) as r:
+                        assert r.status == 200
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"{command}: no answer in 120 s"
+                    time.sleep(0.5)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _dry_runs() -> dict[tuple[str, ...], list[str]]:
+    """Snakemake commands grouped by their arguments other than targets: flags -> targets."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for command in readme_commands():
+        if how(command) == "parse" and " -- snakemake " in command:  # rehearse -- snakemake
+            command = command[command.index(" -- ") + 4:]
+        elif how(command) != "dry":
+            continue
+        argv = shlex.split(command)
+        argv = argv[argv.index("snakemake") + 1:]
+        flags, targets, i = [], [], 0
+        while i < len(argv):
+            a = argv[i]
+            if a in ("--profile", "--configfile"):  # one value each
+                flags += argv[i:i + 2]
+                i += 1
+            elif a == "--config":  # values up to the next option
+                flags.append(a)
+                while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                    i += 1
+                    flags.append(argv[i])
+            elif a != "-n":
+                targets.append(a)
+            i += 1
+        groups.setdefault(tuple(flags), []).extend(targets)
+    return groups
+
+
+@pytest.mark.expensive
+@pytest.mark.parametrize("flags", list(_dry_runs()), ids=lambda f: " ".join(f) or "toy")
+def test_documented_snakemake_commands_dry_run(workdir, flags):
+    targets = _dry_runs()[flags]
+    (workdir / "slurm").symlink_to("profiles/slurm")  # as in the checkout: --profile slurm
+    # targets first: --configfile takes every word after it
+    r = subprocess.run([str(BIN / "snakemake"), *targets, "-n", "--quiet", "rules", *flags],
+                       cwd=workdir, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"snakemake {' '.join(targets)} {' '.join(flags)}: " \
+        f"{(r.stdout + r.stderr)[-3000:]}"
