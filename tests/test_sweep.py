@@ -397,3 +397,29 @@ def test_snakemake_plans_the_sweep_target(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "sweep_trial" not in r.stdout + r.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_a_trial_whose_run_folder_is_in_use_fails_at_once_and_claims_nothing(tmp_path):
+    # another job (a rerun while an orphan still trains) holds trial 1's run folder
+    from a2tgpo.lock import FolderBusy
+
+    cfg, base = make_sweep(tmp_path), base_config(tmp_path)
+    run = Path(sw.trial_config(base, cfg, 1, {}).run_dir)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom a2tgpo.lock import folder_lock\n"
+         "with folder_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(600)",
+         str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        train = FakeTrain()
+        with pytest.raises(FolderBusy, match=f"sweep s trial 1: run folder {run} is in use by "
+                                             f"pid {holder.pid}"):
+            sw.run_trial(cfg, 1, base, train_fn=train)
+        assert train.calls == []
+        d = sw.sweep_dir(base, cfg)
+        # no Optuna trial was claimed for it (the journal may not even exist yet)
+        assert not sw.journal_path(d).exists() or sw.load_study(cfg, d).trials == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sw.run_trial(cfg, 1, base, train_fn=FakeTrain())["state"] == "COMPLETE"

@@ -215,6 +215,21 @@ def test_killed_snakemake_leaves_one_writer_per_run_folder(workdir):
     assert trained == list(range(1, 9))
 
 
+@pytest.mark.expensive
+def test_a_dead_tracking_server_does_not_stop_the_dag(workdir):
+    # the experiment-creation rule, which every training job waits for, succeeds anyway
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = smk(workdir, "results/toy/mlflow/experiment.json", "--cores", "1", "--config",
+            f"tracking={{'tracking_uri': 'http://127.0.0.1:{port}'}}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((workdir / "results/toy/mlflow/experiment.json").read_text())
+    assert record["created"] is False and "unreachable" in record["error"]
+
+
 def test_dry_run_papers_selection_evaluates_every_checkpoint(workdir):
     r = smk(workdir, "-n", "--quiet", "rules", "--config", "train={'selection': 'test_avg'}")
     assert r.returncode == 0, r.stderr
