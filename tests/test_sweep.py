@@ -405,10 +405,10 @@ def test_a_trial_whose_run_folder_is_in_use_fails_at_once_and_claims_nothing(tmp
 
     cfg, base = make_sweep(tmp_path), base_config(tmp_path)
     run = Path(sw.trial_config(base, cfg, 1, {}).run_dir)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom a2tgpo.lock import folder_lock\n"
-         "with folder_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(600)",
-         str(run)], stdout=subprocess.PIPE, text=True)
+    code = ("import sys, time\nfrom a2tgpo.lock import folder_lock\n"
+            "with folder_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         train = FakeTrain()
