@@ -80,6 +80,8 @@ class Question:
     id: str
     question: str
     golden_answers: tuple[str, ...]
+    hop_type: str | None = None  # as the data states it (failure breakdown by hop type)
+    hops: int | None = None
 
 
 def prompt_ids(tokenizer, question: str, style: prompts.PromptStyle,

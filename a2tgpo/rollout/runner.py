@@ -35,7 +35,8 @@ _TREE_ROLLOUTS = {"tree_random": trees.rollout_tree_grpo, "tree_entropy": trees.
 
 def question_of(row: dict) -> Question:
     """A prepared split's row (`a2tgpo.data.qa.load_split`) as the agent's question."""
-    return Question(row["id"], row["question"], tuple(row["golden_answers"]))
+    return Question(row["id"], row["question"], tuple(row["golden_answers"]),
+                    row.get("hop_type"), row.get("hops"))
 
 
 def load_questions(path: str | Path, limit: int = 0) -> list[Question]:

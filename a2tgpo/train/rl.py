@@ -30,6 +30,7 @@ writes the run folder and tracks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question, SearchTool
+from a2tgpo.rollout.failures import outcome_metrics
 from a2tgpo.rollout.info_gain import build_probe, gold_logprob_matrix, score_gold_logprobs
 from a2tgpo.rollout.runner import (
     GREEDY_SEED,
@@ -135,6 +137,12 @@ class Run:
     @property
     def main(self) -> bool:
         return self.backend.rank == 0
+
+    @functools.cached_property
+    def questions(self) -> dict[str, Question]:
+        """Training and dev questions by id (their hop counts and types, for the failure
+        breakdown)."""
+        return {q.id: q for q in (*self.train_qs, *self.dev_qs)}
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -350,6 +358,7 @@ def validate(run: Run, step: int) -> dict:
     if run.main:
         log.info("step %d validation: EM %.3f on %d dev questions", step, em, len(trajs))
     return {"val/em": em,
+            **outcome_metrics(trajs, run.tok, run.questions, "val/outcome"),
             "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
             "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
             "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
@@ -639,6 +648,7 @@ def step_metrics(run: Run, trajs: list[Trajectory], batch: Batch, adv: TokenAdva
     """One metrics.jsonl row: rewards, rollout shape, losses, advantages/IG by turn, seconds
     per stage and throughput."""
     metrics = {**rollout_metrics(trajs, sampling), **update.metrics(),
+               **outcome_metrics(trajs, run.tok, run.questions, "train/outcome"),
                **turn_metrics(adv, batch.num_turns),
                "optim/lr": float(run.scheduler.get_last_lr()[0]),
                "time/step": clock.elapsed()}
