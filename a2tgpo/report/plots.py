@@ -6,6 +6,9 @@ data. Kinds:
 
 - `dev_em`, `reward`, `entropy`: `val/em` (×100), `train/reward`, `rollout/entropy` over
   training steps, one line per method of `report.methods` (A2TGPO Figure 3).
+- `outcomes`: why dev questions fail (`val/outcome/*`, a2tgpo/rollout/failures.py): the
+  share of each outcome at the starting policy's validation (step 0) and at each method's last
+  validation, overall and per hop type, as stacked bars (mean over seeds).
 - `advantage_by_turn`: per method of `report.advantage_methods`, the advantage statistics of
   each turn position over all logged steps (A2TGPO Figure 4): mean of the per-step means with
   ± the mean per-step std, and the extreme per-step min and max.
@@ -51,8 +54,8 @@ from a2tgpo.report import (
 log = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.jsonl"
-PLOT_KINDS = ("dev_em", "reward", "entropy", "advantage_by_turn", "advantage_over_steps",
-              "tool_calls", "jaccard", "time_per_stage", "beta")
+PLOT_KINDS = ("dev_em", "reward", "entropy", "outcomes", "advantage_by_turn",
+              "advantage_over_steps", "tool_calls", "jaccard", "time_per_stage", "beta")
 CURVES = {"dev_em": ("val/em", 100.0, "dev EM (%)"),
           "reward": ("train/reward", 1.0, "training reward (batch mean)"),
           "entropy": ("rollout/entropy", 1.0, "policy entropy of generated tokens")}
@@ -263,6 +266,73 @@ def _curve(w: _Writer, backbone: str, kind: str, cells: dict[str, list[Cell]]) -
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     w.save(fig, backbone, kind)
+
+
+def _last_outcomes(rows: list[dict], first: bool) -> tuple[int, dict[str, float]] | None:
+    """(step, {outcome key: share}) of the first or last validation that logged outcomes."""
+    logged = [r for r in rows if "val/outcome/correct" in r and "step" in r]
+    if not logged:
+        return None
+    row = min(logged, key=lambda r: r["step"]) if first else max(logged, key=lambda r: r["step"])
+    return int(row["step"]), {k[len("val/outcome/"):]: float(v) for k, v in row.items()
+                              if k.startswith("val/outcome/") and v is not None}
+
+
+def outcome_bars(cfg: ReportConfig, cells: dict[str, list[Cell]]
+                 ) -> dict[str, tuple[int, dict[str, float]]]:
+    """{bar label: (step, {outcome key: share})}: the starting policy's step-0 validation
+    (the same policy for every method; taken from the first cell that logged it), then each
+    method's last validation, the mean over its seeds (the step is the latest of them)."""
+    bars: dict[str, tuple[int, dict[str, float]]] = {}
+    start = None
+    for m, cs in cells.items():
+        rows = [c.metrics() or [] for c in cs]
+        if start is None:
+            firsts = [f for f in (_last_outcomes(r, first=True) for r in rows) if f and f[0] == 0]
+            start = firsts[0] if firsts else None
+        ends = [e for e in (_last_outcomes(r, first=False) for r in rows) if e and e[0] > 0]
+        if ends:
+            keys = set().union(*(e for _, e in ends))
+            bars[cfg.method_label(m)] = (max(s for s, _ in ends), {
+                k: statistics.fmean([e.get(k, 0.0) for _, e in ends]) for k in keys})
+    return {"starting policy": start, **bars} if start is not None else bars
+
+
+def _outcomes(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
+    from a2tgpo.rollout.failures import OUTCOMES
+
+    found = outcome_bars(w.cfg, cells)
+    if not found:
+        return w.skip(backbone, "outcomes", "no cell logged val/outcome/* metrics")
+    bars = {b: shares for b, (_, shares) in found.items()}
+    steps = {b: step for b, (step, _) in found.items()}
+    groups = [""] + sorted({k.rsplit("/", 1)[0] + "/" for b in bars.values() for k in b
+                            if "/" in k})
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups) + 1.8,
+                                                      0.32 * len(bars) + 1.4),
+                             sharey=True, squeeze=False)
+    colors = {o: c for o, c in zip(OUTCOMES, ("#2ca02c", "#7f7f7f", "#9467bd", "#d62728",
+                                              "#ff7f0e", "#1f77b4"), strict=True)}
+    labels = [f"{b} (step {steps[b]})" for b in bars]
+    y = np.arange(len(bars))
+    for ax, g in zip(axes[0], groups, strict=True):
+        left = np.zeros(len(bars))
+        for o in OUTCOMES:
+            v = np.array([100 * bars[b].get(g + o, 0.0) for b in bars])
+            ax.barh(y, v, left=left, color=colors[o], label=o.replace("_", " "))
+            left += v
+        ax.set_title(g.rstrip("/") or "all questions", fontsize=9)
+        ax.set_xlim(0, 100)
+        ax.set_xlabel("dev questions (%)")
+    axes[0][0].set_yticks(y, labels, fontsize=8)
+    axes[0][0].invert_yaxis()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=len(OUTCOMES), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0), frameon=False)
+    fig.suptitle(f"Validation outcomes, starting policy vs last validation "
+                 f"[{w.cfg.backbone_label(backbone)}]", fontsize=10)
+    w.save(fig, backbone, "outcomes")
 
 
 def _adv_table(rows: list[dict]) -> dict[int, dict[str, dict[int, float]]]:
@@ -554,6 +624,7 @@ def write_plots(cfg: ReportConfig, cells: list[Cell], out_dir: str | Path) -> li
         main = _method_cells(cfg, grouped, b, cfg.methods, f"plots [{b}]")
         for kind in CURVES:
             _curve(w, b, kind, main)
+        _outcomes(w, b, main)
         adv = _method_cells(cfg, grouped, b, cfg.advantage_methods, f"plots [{b}]")
         _advantage_by_turn(w, b, adv)
         _advantage_over_steps(w, b, adv)

@@ -8,7 +8,14 @@ import pytest
 
 from a2tgpo.cli import main as cli_main
 from a2tgpo.report import ReportConfig, discover_cells
-from a2tgpo.report.plots import PLOT_KINDS, _smooth, seed_band, series, write_plots
+from a2tgpo.report.plots import (
+    PLOT_KINDS,
+    _smooth,
+    outcome_bars,
+    seed_band,
+    series,
+    write_plots,
+)
 
 M, S = "multi_hop", "single_hop"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -17,7 +24,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def metrics(shift: float, steps: int = 4) -> list[dict]:
     """Training rows as the RL loop logs them: a validation row at step 0, then per step the
     training metrics (with val/em every second step), and step 2 logged again after a resume."""
-    rows = [{"step": 0, "time": 0.0, "val/em": 0.10 + shift}]
+    rows = [{"step": 0, "time": 0.0, "val/em": 0.10 + shift, **outcomes(0.10 + shift)}]
     for s in range(1, steps + 1):
         row = {"step": s, "time": float(s), "train/reward": 0.1 * s + shift,
                "train/em": 0.05 * s, "rollout/entropy": 1.0 - 0.1 * s,
@@ -30,11 +37,22 @@ def metrics(shift: float, steps: int = 4) -> list[dict]:
             row.update({f"adv/turn{k}/mean": 0.1 * k - 0.05, f"adv/turn{k}/std": 0.5,
                         f"adv/turn{k}/min": -1.0 - k, f"adv/turn{k}/max": 1.0 + k})
         if s % 2 == 0:
-            rows.append({"step": s, "val/em": 0.1 + 0.05 * s + shift, "val/f1": 0.3})
+            rows.append({"step": s, "val/em": 0.1 + 0.05 * s + shift, "val/f1": 0.3,
+                         **outcomes(0.1 + 0.05 * s + shift)})
             row["val/em"] = 0.1 + 0.05 * s + shift
         rows.append(row)
     rows.append({**rows[3], "train/reward": 9.0})  # step 2 again, resumed: this value wins
     return rows
+
+
+def outcomes(correct: float) -> dict:
+    """val/outcome/* as validation logs them: `correct`, the rest split 1 : 3 between
+    not_copied and query_missed, and the same shares within the one hop type logged."""
+    rest = 1.0 - correct
+    shares = {"correct": correct, "limit": 0.0, "format": 0.0, "not_copied": rest / 4,
+              "stopped_early": 0.0, "query_missed": 3 * rest / 4}
+    return {**{f"val/outcome/{k}": v for k, v in shares.items()},
+            **{f"val/outcome/bridge/{k}": v for k, v in shares.items()}}
 
 
 ROLLOUTS = [
@@ -83,6 +101,24 @@ def test_every_plot_is_written_for_full_data(make_cell, tmp_path):
     index = json.loads((out / "index.json").read_text())
     assert index["skipped"] == []
     assert {e["kind"]: e["caption"] for e in index["plots"]}["jaccard"] == "plot_jaccard.rst"
+
+
+def test_outcome_bars_start_and_last_validation_mean_over_seeds(make_cell):
+    runs = full_grid(make_cell)
+    cells = {m: [c for c in discover_cells(runs) if c.method == m and c.beta in (0.0, 0.3)]
+             for m in ("grpo", "a2tgpo")}
+    bars = outcome_bars(ReportConfig(), cells)
+    assert list(bars) == ["starting policy", "GRPO", "A2TGPO"]
+    # step 0 of grpo seed 0: correct = 0.10 + 0.00 (metrics(0.01 * seed), seed 0)
+    assert bars["starting policy"][0] == 0
+    assert bars["starting policy"][1]["correct"] == pytest.approx(0.10)
+    # last validation, step 4: correct = 0.1 + 0.05 * 4 + shift; grpo shifts 0.00 and 0.01,
+    # a2tgpo 0.10 and 0.11: means 0.305 and 0.405; query_missed = 3/4 of the rest
+    assert bars["GRPO"][0] == 4
+    assert bars["GRPO"][1]["correct"] == pytest.approx(0.305)
+    assert bars["A2TGPO"][1]["correct"] == pytest.approx(0.405)
+    assert bars["A2TGPO"][1]["query_missed"] == pytest.approx(0.75 * (1 - 0.405))
+    assert bars["A2TGPO"][1]["bridge/not_copied"] == pytest.approx(0.25 * (1 - 0.405))
 
 
 def test_plots_skip_cleanly_without_data(make_cell, tmp_path, caplog, capsys):
