@@ -66,6 +66,14 @@ class Cell:
         return (f"backbone~{self.backbone}{track}/method~{self.method}"
                 f"/beta~{format_value(self.beta)}/seed~{self.seed}")
 
+    @property
+    def display_name(self) -> str:
+        """A short readable name, method first (MLflow run names; the path stays a tag):
+        "a2tgpo β=0.3 seed 1 · toy", with " · <track>" for a data track."""
+        track = f" · {self.data}" if self.data else ""
+        return (f"{self.method} β={format_value(self.beta)} seed {self.seed} · "
+                f"{self.backbone}{track}")
+
     @classmethod
     def parse(cls, path: str) -> Cell:
         """The cell of a cell path (relative, as `path` writes it)."""

@@ -237,19 +237,27 @@ def _prepare_store(cfg: TrackingConfig, results_dir: str | Path) -> str:
     return resolve_tracking_uri(cfg, results_dir)
 
 
+# The MLflow UI (3.x) opens an experiment by its kind: without this tag it guesses "GenAI" for an
+# experiment with no traces and shows the (empty) traces overview instead of the runs table.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(client: Any, cfg: TrackingConfig, study: str, results_dir: str | Path) -> str:
     from mlflow.exceptions import MlflowException
 
     name = cfg.experiment or study
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if not set(EXPERIMENT_KIND) & set(exp.tags):  # made before the tag, or by someone else
+            for k, v in EXPERIMENT_KIND.items():
+                client.set_experiment_tag(exp.experiment_id, k, v)
         return exp.experiment_id
     location = cfg.artifact_location
     if location is None and not cfg.tracking_uri:
         # mlflow's default is ./mlruns under whatever cwd created the experiment
         location = (Path(results_dir).resolve() / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise

@@ -29,6 +29,13 @@ def test_track_component_round_trips():
     assert Cell.parse(cell.path) == cell
 
 
+def test_display_name_puts_method_beta_and_seed_first():
+    # MLflow's runs table cuts long names: what tells runs apart must come first
+    assert Cell("toy", "a2tgpo", 0.3, 1).display_name == "a2tgpo β=0.3 seed 1 · toy"
+    assert Cell("qwen3-4b", "grpo", 0.0, 2, "multi_hop").display_name == \
+        "grpo β=0 seed 2 · qwen3-4b · multi_hop"
+
+
 def test_parse_rejects_other_paths():
     with pytest.raises(ValueError, match="not a cell path"):
         Cell.parse("backbone~toy/method~grpo/seed~1")

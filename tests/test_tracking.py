@@ -73,6 +73,23 @@ def test_jsonl_rows_flatten_nested_and_write_nonfinite_as_null(tmp_path):
     assert not (tmp_path / "cell" / RUN_LINK_FILE).exists()
 
 
+def test_experiment_is_a_model_training_experiment(store, tmp_path):
+    # without mlflow.experimentKind the UI opens an experiment on its (empty) GenAI traces
+    results, client = store
+    assert client.get_experiment_by_name(STUDY).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
+    # an experiment made without the tag (an older store, or by hand) gets it on first use
+    exp_id = client.create_experiment("untagged", artifact_location=tmp_path.as_uri())
+    assert "mlflow.experimentKind" not in client.get_experiment(exp_id).tags
+    assert init_experiment(TrackingConfig(), study="untagged", results_dir=results) == exp_id
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
+    # a kind someone chose is left alone
+    client.set_experiment_tag(exp_id, "mlflow.experimentKind", "finetuning")
+    init_experiment(TrackingConfig(), study="untagged", results_dir=results)
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "finetuning"
+
+
 def test_mlflow_run_has_tags_params_history_artifact_and_finishes(store, tmp_path):
     results, client = store
     config = tmp_path / "config.yaml"

@@ -823,9 +823,20 @@ def _tracker(cfg: TrainConfig) -> Tracker:
     tags = {"method": cfg.method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
             "beta": format_value(a.beta), "gamma": format_value(a.gamma), "cell": cfg.cell,
             "stage": "train"}
-    return Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell or cfg.method.id,
+    return Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=run_name(cfg),
                    tags=tags, params=cfg, config_file=run_dir / "config.yaml",
                    results_dir=cfg.results_dir)
+
+
+def run_name(cfg: TrainConfig) -> str:
+    """The MLflow run name: method, β and seed first (the cell path is the `cell` tag)."""
+    from a2tgpo.cell import Cell
+
+    try:
+        return Cell.parse(cfg.cell).display_name
+    except ValueError:  # a run outside the grid (a sweep trial's or a hand-made config)
+        return (f"{cfg.method.id} β={format_value(cfg.method.advantage.beta)} seed {cfg.seed}"
+                f" · {cfg.backbone.id}")
 
 
 def _write_config(cfg: TrainConfig, path: Path) -> None:
