@@ -5,7 +5,9 @@ backbone, caption file `workflow/report/plot_<kind>.rst`) and every plot skipped
 data. Kinds:
 
 - `dev_em`, `reward`, `entropy`: `val/em` (×100), `train/reward`, `rollout/entropy` over
-  training steps, one line per method of `report.methods` (A2TGPO Figure 3).
+  training steps, one line per method of `report.methods` (A2TGPO Figure 3), and a dashed
+  line at the starting policy's value where cells logged the metric at step 0 (`warm_start`:
+  the step-0 validation, so `dev_em` only).
 - `outcomes`: why dev questions fail (`val/outcome/*`, a2tgpo/rollout/failures.py): the
   share of each outcome at the starting policy's validation (step 0) and at each method's last
   validation, overall and per hop type, as stacked bars (mean over seeds).
@@ -23,6 +25,9 @@ data. Kinds:
 - `beta`: the β method's group averages (test set, `report.metric` ×100) against β, with the
   reference methods as horizontal lines (A2TGPO Figure 9).
 
+Every legend sits to the right of the axes, outside the data area, so it hides no line or bar
+(saved with bbox_inches="tight", which widens the image to hold it).
+
 With several seeds a line is the mean over the seeds that logged the step, with a band of ± one
 sample standard deviation (n − 1 denominator) where at least two did. A metric logged twice at
 one step (a resumed run) counts once, with the later value. Each method is drawn from the cells
@@ -35,6 +40,7 @@ import logging
 import re
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -87,6 +93,14 @@ def seed_band(per_seed: list[dict[int, float]], smoothing: int = 1):
         mean.append(statistics.fmean(vals))
         std.append(statistics.stdev(vals) if len(vals) > 1 else float("nan"))
     return np.array(steps), np.array(mean), np.array(std)
+
+
+def warm_start(rows_per_cell: Iterable[list[dict]], key: str = "val/em") -> float | None:
+    """The starting policy's value of `key`: its step-0 value (the later row when step 0 was
+    logged twice), averaged over the cells that logged it. Every method and seed starts from
+    the same policy, so the cells differ only by validation noise. None when no cell did."""
+    at_start = [s[0] for rows in rows_per_cell if 0 in (s := series(rows, key))]
+    return statistics.fmean(at_start) if at_start else None
 
 
 def _smooth(s: dict[int, float], window: int) -> dict[int, float]:
@@ -227,6 +241,24 @@ class _Writer:
         self.skipped.append({"kind": kind, "backbone": backbone, "reason": reason})
 
 
+def _legend_right(ax, handles=None, labels=None, fontsize: int = 8) -> None:
+    """The legend to the right of `ax` (a figure's right-most panel), outside every data area.
+    Without handles: `ax`'s own."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              fontsize=fontsize, frameon=False)
+
+
+def _handles(axes) -> tuple[list, list[str]]:
+    """Legend handles and labels of several panels, one per label (the first seen)."""
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, h)
+    return list(seen.values()), list(seen)
+
+
 def _colors(cfg: ReportConfig) -> dict[str, str]:
     ids = list(dict.fromkeys([*cfg.methods, *cfg.advantage_methods, cfg.beta_method]))
     palette = [f"C{i}" for i in range(10)]
@@ -246,6 +278,7 @@ def _curve(w: _Writer, backbone: str, kind: str, cells: dict[str, list[Cell]]) -
     key, scale, ylabel = CURVES[kind]
     cfg, colors = w.cfg, _colors(w.cfg)
     lines = {}
+    start = warm_start((c.metrics() or [] for cs in cells.values() for c in cs), key)
     for m, cs in cells.items():
         per_seed = [{k: v * scale for k, v in series(c.metrics() or [], key).items()}
                     for c in cs]
@@ -260,11 +293,13 @@ def _curve(w: _Writer, backbone: str, kind: str, cells: dict[str, list[Cell]]) -
         ax.plot(x, mean, color=colors.get(m), label=label, marker="o" if len(x) < 3 else None)
         if np.isfinite(std).any():
             ax.fill_between(x, mean - std, mean + std, color=colors.get(m), alpha=0.2, lw=0)
+    if start is not None:
+        ax.axhline(start * scale, ls="--", lw=1, color="0.35", label="warm start (step 0)")
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel} [{cfg.backbone_label(backbone)}]")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_right(ax)
     w.save(fig, backbone, kind)
 
 
@@ -311,7 +346,8 @@ def _outcomes(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups) + 1.8,
                                                       0.32 * len(bars) + 1.4),
-                             sharey=True, squeeze=False)
+                             sharey=True, squeeze=False,
+                             layout="constrained")  # keeps the title off the panel titles
     colors = {o: c for o, c in zip(OUTCOMES, ("#2ca02c", "#7f7f7f", "#9467bd", "#d62728",
                                               "#ff7f0e", "#1f77b4"), strict=True)}
     labels = [f"{b} (step {steps[b]})" for b in bars]
@@ -327,9 +363,7 @@ def _outcomes(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
         ax.set_xlabel("dev questions (%)")
     axes[0][0].set_yticks(y, labels, fontsize=8)
     axes[0][0].invert_yaxis()
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="upper center", ncol=len(OUTCOMES), fontsize=8,
-               bbox_to_anchor=(0.5, 0.0), frameon=False)
+    _legend_right(axes[0][-1], *axes[0][0].get_legend_handles_labels())
     fig.suptitle(f"Validation outcomes, starting policy vs last validation "
                  f"[{w.cfg.backbone_label(backbone)}]", fontsize=10)
     w.save(fig, backbone, "outcomes")
@@ -361,7 +395,7 @@ def _advantage_by_turn(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) 
     plt = _pyplot()
     cfg, colors = w.cfg, _colors(w.cfg)
     fig, axes = plt.subplots(1, len(per_method), figsize=(3.6 * len(per_method), 3.6),
-                             sharey=True, squeeze=False)
+                             sharey=True, squeeze=False, layout="constrained")
     for ax, (m, stats) in zip(axes[0], per_method.items(), strict=True):
         ks = sorted(stats)
         mean = [statistics.fmean(stats[k]["mean"]) if stats[k]["mean"] else np.nan for k in ks]
@@ -377,7 +411,7 @@ def _advantage_by_turn(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) 
         ax.set_xticks(ks)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("advantage (all logged steps)")
-    axes[0][0].legend(fontsize=8)
+    _legend_right(axes[0][-1], *axes[0][0].get_legend_handles_labels())
     fig.suptitle(f"Advantage by turn position [{cfg.backbone_label(backbone)}]")
     w.save(fig, backbone, "advantage_by_turn")
 
@@ -393,7 +427,7 @@ def _advantage_over_steps(w: _Writer, backbone: str, cells: dict[str, list[Cell]
     plt = _pyplot()
     cfg = w.cfg
     fig, axes = plt.subplots(1, len(per_method), figsize=(3.8 * len(per_method), 3.6),
-                             sharey=True, squeeze=False)
+                             sharey=True, squeeze=False, layout="constrained")
     for ax, (m, tables) in zip(axes[0], per_method.items(), strict=True):
         # envelope: the most extreme per-turn min/max at each step, averaged over seeds
         lo_seeds, hi_seeds = [], []
@@ -414,12 +448,12 @@ def _advantage_over_steps(w: _Writer, backbone: str, cells: dict[str, list[Cell]
             x, mean, _ = seed_band([t[k]["mean"] for t in tables if k in t and "mean" in t[k]],
                                    cfg.smoothing)
             if len(x):
-                ax.plot(x, mean, label=f"turn {k} mean", lw=1.2)
+                ax.plot(x, mean, label=f"turn {k} mean", lw=1.2, color=f"C{k % 10}")
         ax.axhline(0.0, color="0.3", lw=0.6)
         ax.set_title(cfg.method_label(m))
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    _legend_right(axes[0][-1], *_handles(axes[0]))  # a turn has one colour in every panel
     axes[0][0].set_ylabel("advantage")
     fig.suptitle(f"Advantage over training [{cfg.backbone_label(backbone)}]")
     w.save(fig, backbone, "advantage_over_steps")
@@ -472,7 +506,7 @@ def _tool_calls(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None
     ax.set_title(f"Tool calls, last {cfg.tail_steps} logged steps "
                  f"[{cfg.backbone_label(backbone)}]")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    _legend_right(ax)
     w.save(fig, backbone, "tool_calls")
 
 
@@ -515,11 +549,10 @@ def _jaccard(w: _Writer, backbone: str, cells: list[Cell]) -> None:
     ax1.set_ylabel("Jaccard similarity, same position")
     ax1.set_ylim(0, 1)
     ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
     ax2.set_xticks([0, 1], ["same position", "cross position"])
     ax2.set_ylim(0, 1)
     ax2.grid(alpha=0.3, axis="y")
-    ax2.legend(fontsize=8)
+    _legend_right(ax2, *_handles([ax1]))  # the same steps and colours in both panels
     fig.suptitle(f"Turn similarity within a question's rollouts, "
                  f"{cfg.method_label(cfg.jaccard_method)} [{cfg.backbone_label(backbone)}]")
     w.save(fig, backbone, "jaccard")
@@ -564,7 +597,7 @@ def _time_per_stage(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> 
     ax.set_ylabel("seconds per training step (mean)")
     ax.set_title(f"Time per stage [{cfg.backbone_label(backbone)}]")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    _legend_right(ax, *[list(reversed(x)) for x in ax.get_legend_handles_labels()])  # as stacked
     w.save(fig, backbone, "time_per_stage")
 
 
@@ -587,7 +620,8 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
                       f"{cfg.beta_method}")
     refs = _method_cells(cfg, grouped, backbone, cfg.beta_reference_methods, "plot beta")
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False,
+                             layout="constrained")  # keeps each panel's y label clear
     order = sorted(evaluated)
     for ax, g in zip(axes[0], groups, strict=True):
         xs, ys, es = [], [], []
@@ -608,7 +642,10 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
         ax.set_xlabel("β")
         ax.set_ylabel(f"{cfg.group_label(g)} {cfg.metric.upper()} (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    # the β method first, then the references
+    entries = sorted(zip(*_handles(axes[0]), strict=True),
+                     key=lambda e: e[1] != cfg.method_label(cfg.beta_method))
+    _legend_right(axes[0][-1], [h for h, _ in entries], [label for _, label in entries])
     fig.suptitle(f"β sensitivity of {cfg.method_label(cfg.beta_method)} "
                  f"[{cfg.backbone_label(backbone)}]")
     w.save(fig, backbone, "beta")

@@ -11,9 +11,11 @@ from a2tgpo.report import ReportConfig, discover_cells
 from a2tgpo.report.plots import (
     PLOT_KINDS,
     _smooth,
+    _Writer,
     outcome_bars,
     seed_band,
     series,
+    warm_start,
     write_plots,
 )
 
@@ -89,6 +91,58 @@ def test_series_later_row_wins_and_seed_band():
     assert _smooth({1: 1.0, 2: 3.0, 3: 5.0}, 2) == {1: 1.0, 2: 2.0, 3: 4.0}
 
 
+@pytest.fixture
+def figures(monkeypatch):
+    """{kind: the matplotlib figure write_plots saved}, drawn (so artists have their places)."""
+    drawn = {}
+    save = _Writer.save
+
+    def keep(self, fig, backbone, kind):
+        fig.canvas.draw()
+        drawn[kind] = fig
+        save(self, fig, backbone, kind)
+
+    monkeypatch.setattr(_Writer, "save", keep)
+    return drawn
+
+
+def warm_lines(fig) -> list:
+    return [ln for ax in fig.axes for ln in ax.get_lines()
+            if ln.get_label() == "warm start (step 0)"]
+
+
+def test_warm_start_is_the_mean_step_0_value_of_the_cells_that_logged_it():
+    # step-0 val/em: 0.10 + shift; metrics(0.05) without its first row has no step 0, and an
+    # empty cell none either: (0.10 + 0.12) / 2
+    assert warm_start([metrics(0.0), metrics(0.02), metrics(0.05)[1:], []]) == \
+        pytest.approx(0.11)
+    # step 0 logged twice (a job that restarted before its first step): the later value
+    assert warm_start([[{"step": 0, "val/em": 0.2}, {"step": 0, "val/em": 0.4}]]) == \
+        pytest.approx(0.4)
+    assert warm_start([metrics(0.0)[1:], []]) is None
+    assert warm_start([]) is None
+    assert warm_start([metrics(0.0)], "train/reward") is None  # training logs from step 1
+
+
+def test_curves_draw_the_warm_start_and_every_legend_sits_outside_the_data(
+        make_cell, tmp_path, figures):
+    write_plots(ReportConfig(), discover_cells(full_grid(make_cell)), tmp_path)
+    assert sorted(figures) == sorted(PLOT_KINDS)
+    # dev EM starts at 100 * (0.10 + shift) in the cells drawn: grpo 0.00 and 0.01, igpo 0.05,
+    # a2tgpo (β 0.3) 0.10 and 0.11, so the warm start is 10 + 27 / 5 = 15.4
+    (line,) = warm_lines(figures["dev_em"])
+    assert line.get_linestyle() == "--" and list(line.get_ydata()) == pytest.approx([15.4] * 2)
+    assert not warm_lines(figures["reward"]) and not warm_lines(figures["entropy"])
+    for kind, fig in figures.items():
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+        assert legends, f"{kind}: no legend"
+        for legend in legends:
+            box = legend.get_window_extent()
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent()), \
+                    f"{kind}: the legend covers the panel {ax.get_title()!r}"
+
+
 def test_every_plot_is_written_for_full_data(make_cell, tmp_path):
     runs = full_grid(make_cell)
     out = tmp_path / "plots"
@@ -146,7 +200,7 @@ def test_plots_with_no_cells_at_all(tmp_path, capsys):
     assert "give --runs DIR or --cells" in capsys.readouterr().err
 
 
-def test_partial_data_draws_what_it_can(make_cell, tmp_path):
+def test_partial_data_draws_what_it_can(make_cell, tmp_path, figures):
     # metrics without adv/* or time/* keys, and no rollouts: the curves and the tool-call
     # plot only
     rows = [{"step": s, "train/reward": 0.1 * s, "rollout/entropy": 1.0, "val/em": 0.2,
@@ -154,6 +208,7 @@ def test_partial_data_draws_what_it_can(make_cell, tmp_path):
     make_cell("toy", "grpo", "0", 0, metrics=rows)
     written = write_plots(ReportConfig(), discover_cells(make_cell.runs), tmp_path)
     assert sorted(p.stem for p in written) == ["dev_em", "entropy", "reward", "tool_calls"]
+    assert not warm_lines(figures["dev_em"])  # no cell validated at step 0
 
 
 def test_corrupt_metrics_is_an_error_naming_the_line(make_cell, tmp_path, capsys):
