@@ -80,6 +80,10 @@ class ReportConfig:
         "(eval/summary.json `groups`). Datasets of other groups follow, without an average.")
     group_labels: dict[str, str] = option(
         doc="Label of each group's average column.", factory=lambda: dict(_GROUP_LABELS))
+    spread: Literal["ci95", "std"] = option(
+        "ci95", "What follows ± in a row with several seeds: ci95 = the half-width of the "
+        "two-sided 95% Student-t confidence interval of the mean over seeds, std = the sample "
+        "standard deviation over seeds. The CSV files carry both.")
     show_all_average: bool = option(
         False, "Add the average over every test sample (group `all`) as a last column "
         "(the papers do not print it).")

@@ -13,18 +13,21 @@ Written to the output directory, each as `<name>.md`, `<name>.tex` and `<name>.c
 
 Numbers are the metric (`report.metric`) x 100. Group averages come from the summaries'
 `groups` (already sample-weighted over the group's test samples, as in the papers). A row with
-several seeds shows mean ± sample standard deviation (n − 1 denominator) over seeds; its
-`Seeds` column gives their number. Bold marks the best printed value of each column within a
-backbone block; ties (equal printed values) are all bold; a column with one value has no bold.
-Every table's caption says how the evaluated checkpoints were selected, read from the cells.
+several seeds shows the mean over seeds ± the half-width of the two-sided 95% Student-t
+confidence interval of the mean, t_{0.975, n−1} · s / √n (`report.spread: ci95`, the default),
+or ± s (`report.spread: std`), s the sample standard deviation (n − 1 denominator); its `Seeds`
+column gives n. Bold marks the best printed value of each column within a backbone block;
+ties (equal printed values) are all bold; a column with one value has no bold. Every table's
+caption says how the evaluated checkpoints were selected, read from the cells.
 
 CSV layout (tidy: one line per printed number, loads with `pandas.read_csv`):
 `table, backbone, backbone_label, row, row_label, column, column_label, column_kind
-(dataset|group), group, metric, mean, std, n_seeds, seeds, best, selection`, where `mean` and
-`std` are percentages (10 decimals; `std` empty for one seed), `seeds` the seed values
-joined by ";", `best` True where the printed number is bold, and `selection` the checkpoint
-selection of the cells behind the number. `row` holds method ids, or β values in the beta
-table, written as cell paths write them (read it with `dtype={"row": str}`).
+(dataset|group), group, metric, mean, std, ci95, n_seeds, seeds, best, selection`, where
+`mean`, `std` (s) and `ci95` (the t-interval's half-width) are percentages (10 decimals; `std`
+and `ci95` empty for one seed) whatever `report.spread` prints, `seeds` the seed values joined
+by ";", `best` True where the printed number is bold, and `selection` the checkpoint selection
+of the cells behind the number. `row` holds method ids, or β values in the beta table, written
+as cell paths write them (read it with `dtype={"row": str}`).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from scipy import stats
 
 from a2tgpo.config import format_value
 from a2tgpo.io import atomic_write_text
@@ -46,8 +52,8 @@ log = logging.getLogger(__name__)
 TABLE_NAMES = ("main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta")
 FORMATS = ("md", "tex", "csv")
 CSV_COLUMNS = ("table", "backbone", "backbone_label", "row", "row_label", "column",
-               "column_label", "column_kind", "group", "metric", "mean", "std", "n_seeds",
-               "seeds", "best", "selection")
+               "column_label", "column_kind", "group", "metric", "mean", "std", "ci95",
+               "n_seeds", "seeds", "best", "selection")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,15 @@ class Column:
     label: str
     kind: str  # "dataset" | "group"
     group: str
+
+
+def t_half_width(values: list[float]) -> float | None:
+    """Half-width of the two-sided 95% Student-t confidence interval of the mean of `values`:
+    t_{0.975, n−1} · s / √n (s with n − 1 denominator); None below two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    return float(stats.t.ppf(0.975, n - 1)) * statistics.stdev(values) / math.sqrt(n)
 
 
 @dataclass
@@ -74,6 +89,10 @@ class Stat:
     @property
     def std(self) -> float | None:
         return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+    @property
+    def ci95(self) -> float | None:
+        return t_half_width(self.values)
 
 
 @dataclass
@@ -171,19 +190,23 @@ def _selection_text(cfg: ReportConfig, rows: list[Row]) -> str:
     return f"Checkpoint selection: mixed protocols: {parts}."
 
 
-def _seeds_text(rows: list[Row]) -> str:
-    if any(len(r.cells) > 1 for r in rows):
-        return ("Rows with several seeds show mean ± sample standard deviation (n − 1 "
-                "denominator) over seeds; Seeds gives their number.")
-    return "One seed per row."
+def _seeds_text(cfg: ReportConfig, rows: list[Row]) -> str:
+    if not any(len(r.cells) > 1 for r in rows):
+        return "One seed per row."
+    spread = ("the half-width of the two-sided 95% Student-t confidence interval of the mean "
+              "(t_{0.975, n − 1} · s / √n, s the sample standard deviation with n − 1 "
+              "denominator)" if cfg.spread == "ci95"
+              else "sample standard deviation (n − 1 denominator)")
+    return f"Rows with several seeds show mean ± {spread} over seeds; Seeds gives their number n."
 
 
 def _caption(cfg: ReportConfig, what: str, rows: list[Row]) -> str:
     metric = cfg.metric.upper()
     lead = f"{what} " if what else ""
     return (f"{lead}{metric} (%) on the test sets; Avg columns are sample-weighted averages "
-            f"over the group's test samples. {_seeds_text(rows)} Bold: the best printed value "
-            f"of each column within a backbone (ties all bold). {_selection_text(cfg, rows)}")
+            f"over the group's test samples. {_seeds_text(cfg, rows)} Bold: the best printed "
+            f"value of each column within a backbone (ties all bold). "
+            f"{_selection_text(cfg, rows)}")
 
 
 def _evaluated(cells: list[Cell]) -> list[Cell]:
@@ -280,9 +303,10 @@ def build_tables(cfg: ReportConfig, cells: list[Cell]) -> dict[str, Table]:
 
 
 def _number(cfg: ReportConfig, s: Stat, pm: str) -> str:
+    spread = s.ci95 if cfg.spread == "ci95" else s.std
     text = f"{s.mean:.{cfg.decimals}f}"
-    if s.std is not None:
-        text += f"{pm}{s.std:.{cfg.decimals}f}"
+    if spread is not None:
+        text += f"{pm}{spread:.{cfg.decimals}f}"
     return text
 
 
@@ -301,7 +325,7 @@ _TEX_SPECIAL = {
     "√": r"\ensuremath{\surd}", "β": r"\ensuremath{\beta}", "γ": r"\ensuremath{\gamma}",
     "σ": r"\ensuremath{\sigma}", "±": r"\ensuremath{\pm}", "−": r"\ensuremath{-}",
     "×": r"\ensuremath{\times}", "→": r"\ensuremath{\rightarrow}", "≥": r"\ensuremath{\geq}",
-    "≤": r"\ensuremath{\leq}", "î": r"\^{\i}",
+    "≤": r"\ensuremath{\leq}", "î": r"\^{\i}", "·": r"\ensuremath{\cdot}",
 }
 
 
@@ -329,7 +353,7 @@ def render_markdown(cfg: ReportConfig, table: Table) -> str:
 
 def _stat_cells(cfg: ReportConfig, table: Table, row, *, missing: str, pm: str, bold: str
                 ) -> list[str]:
-    """A row's value per column: mean (± std), `bold` formatting the column's best, `missing`
+    """A row's value per column: mean (± spread), `bold` formatting the column's best, `missing`
     where the row has no value."""
     cells = []
     for col in table.columns:
@@ -380,7 +404,8 @@ def render_csv(cfg: ReportConfig, table: Table) -> str:
                 sel = sorted(set(st.selection))
                 w.writerow([table.name, s.backbone, s.label, r.id, r.label, col.id, col.label,
                             col.kind, col.group, cfg.metric, _full(st.mean),
-                            "" if st.std is None else _full(st.std), len(st.values),
+                            "" if st.std is None else _full(st.std),
+                            "" if st.ci95 is None else _full(st.ci95), len(st.values),
                             ";".join(st.seeds), st.best, "; ".join(sel)])
     return buf.getvalue()
 

@@ -25,7 +25,7 @@ M, S = "multi_hop", "single_hop"
 def grid(make_cell):
     """Three methods on qwen3-4b, datasets hotpotqa (multi) and nq (single).
 
-    EM fractions per seed -> printed mean ± sample std (×100, one decimal):
+    EM fractions per seed -> printed mean ± sample std (×100, one decimal; `spread: std`):
       grpo   seeds 0,1,2  hotpotqa .40 .42 .44 -> 42.0 ± 2.0  (sqrt((4+0+4)/2) = 2)
                           nq       .50 .50 .50 -> 50.0 ± 0.0
                           multi    .30 .33 .36 -> 33.0 ± 3.0
@@ -56,7 +56,7 @@ def grid(make_cell):
 
 def test_main_table_markdown_means_stds_and_bold(make_cell, tmp_path):
     runs = grid(make_cell)
-    written = write_tables(ReportConfig(), discover_cells(runs), tmp_path / "tables")
+    written = write_tables(ReportConfig(spread="std"), discover_cells(runs), tmp_path / "tables")
     names = sorted(p.name for p in written)
     assert names == sorted(f"{t}.{e}" for t in ("main", "ablation_a2tgpo", "ablation_at2po",
                                                  "credit_at2po", "beta")
@@ -78,7 +78,7 @@ def test_main_table_markdown_means_stds_and_bold(make_cell, tmp_path):
 
 def test_beta_table_rows_sorted_numerically(make_cell, tmp_path):
     runs = grid(make_cell)
-    write_tables(ReportConfig(), discover_cells(runs), tmp_path)
+    write_tables(ReportConfig(spread="std"), discover_cells(runs), tmp_path)
     lines = (tmp_path / "beta.md").read_text().splitlines()
     # β rows: 0 -> .40/.34/.50/.57, 0.1 -> .41/.35/.52/.58, 0.3 -> the two seeds above
     assert lines[lines.index("| β | Seeds | HotpotQA | Multi Avg | NQ | Single Avg |") + 2:][:3] \
@@ -253,8 +253,11 @@ def test_cli_tables_with_config(make_cell, tmp_path, capsys):
     printed = capsys.readouterr().out.split()
     assert str(out / "main.md") in printed and len(printed) == 15
     md = (out / "main.md").read_text()
-    # A2TGPO .45/.47 at two decimals: 46.00 ± 1.41; GRPO keeps its built-in label
-    assert "| A²TGPO | 2 | **46.00 ± 1.41** |" in md and "| GRPO | 3 | 42.00 ± 2.00 |" in md
+    # the default spread is the 95% t-interval's half-width t_{0.975, n-1} · s / √n:
+    # A2TGPO .45/.47: s = √2, t_{0.975,1} = 12.7062 -> 12.7062 · √2 / √2 = 12.71;
+    # GRPO .40/.42/.44: s = 2, t_{0.975,2} = 4.302653 -> 4.302653 · 2 / √3 = 4.968 -> 4.97.
+    # GRPO keeps its built-in label
+    assert "| A²TGPO | 2 | **46.00 ± 12.71** |" in md and "| GRPO | 3 | 42.00 ± 4.97 |" in md
     bad = tmp_path / "bad.yaml"
     bad.write_text("decimal: 2\n")
     assert cli_main(["tables", "--runs", str(runs), "--config", str(bad),
