@@ -112,6 +112,11 @@ class ReportConfig:
     beta_main: float = option(
         0.3, "β of the β method's cells in the main and ablation tables and the other plots; "
         "other methods run at several β show their β = 0 cells.", ge=0)
+    paired: tuple[tuple[str, ...], ...] = option(
+        (("a2tgpo", "grpo"), ("a2tgpo", "igpo")),
+        "Pairs [A, B] of method ids of the paired table: per backbone, the mean over the "
+        "seeds both have of the per-seed difference A − B (the cells of the main table), with "
+        "its paired 95% t-interval.")
     beta_reference_methods: tuple[str, ...] = option(
         ("grpo", "igpo"), "Methods drawn as horizontal reference lines in the β curve.")
     advantage_methods: tuple[str, ...] = option(
@@ -136,6 +141,9 @@ class ReportConfig:
             raise ValueError(f"decimals must be >= 0, got {self.decimals}")
         if self.tail_steps < 1 or self.smoothing < 1 or self.dpi < 10:
             raise ValueError("tail_steps and smoothing must be >= 1, dpi >= 10")
+        bad = [list(p) for p in self.paired if len(p) != 2 or p[0] == p[1]]
+        if bad:
+            raise ValueError(f"paired: each entry must be two different method ids, got {bad}")
 
     # ---- labels ---------------------------------------------------------------------------
 

@@ -10,24 +10,35 @@ Written to the output directory, each as `<name>.md`, `<name>.tex` and `<name>.c
   credit (AT2PO Table 2).
 - `credit_at2po`: AT2PO's credit-assignment schemes (AT2PO Table 3).
 - `beta`: the β method (`report.beta_method`) at every β it was run with (A2TGPO Figure 9).
+- `paired`: is a difference between two methods real? For each pair (A, B) of
+  `report.paired`, one row "A − B" per backbone block: the mean over seeds of the per-seed
+  difference A − B, seeds matched by value (only seeds both methods have count), each method
+  represented by its cells of the main table; ± the half-width of the paired 95% t-interval of
+  those differences. † marks a difference whose interval excludes 0 (a paired two-sided t-test
+  rejects "no difference" at the 5% level); one common seed gives the difference alone,
+  unmarked.
 
 Numbers are the metric (`report.metric`) x 100. Group averages come from the summaries'
 `groups` (already sample-weighted over the group's test samples, as in the papers). A row with
 several seeds shows the mean over seeds ± the half-width of the two-sided 95% Student-t
 confidence interval of the mean, t_{0.975, n−1} · s / √n (`report.spread: ci95`, the default),
 or ± s (`report.spread: std`), s the sample standard deviation (n − 1 denominator); its `Seeds`
-column gives n. Bold marks the best printed value of each column within a backbone block;
-ties (equal printed values) are all bold; a column with one value has no bold. Every table's
-caption says how the evaluated checkpoints were selected, read from the cells.
+column gives n. Bold marks the best printed value of each column within a backbone block
+(not in the paired table); ties (equal printed values) are all bold; a column with one value
+has no bold. Every table's caption says how the evaluated checkpoints were selected, read from
+the cells.
 
 CSV layout (tidy: one line per printed number, loads with `pandas.read_csv`):
 `table, backbone, backbone_label, row, row_label, column, column_label, column_kind
-(dataset|group), group, metric, mean, std, ci95, n_seeds, seeds, best, selection`, where
-`mean`, `std` (s) and `ci95` (the t-interval's half-width) are percentages (10 decimals; `std`
-and `ci95` empty for one seed) whatever `report.spread` prints, `seeds` the seed values joined
-by ";", `best` True where the printed number is bold, and `selection` the checkpoint selection
-of the cells behind the number. `row` holds method ids, or β values in the beta table, written
-as cell paths write them (read it with `dtype={"row": str}`).
+(dataset|group), group, metric, mean, std, ci95, n_seeds, seeds, best, excludes_zero,
+selection`, where `mean`, `std` (s) and `ci95` (the t-interval's half-width) are percentages
+(10 decimals; `std` and `ci95` empty for one seed) whatever `report.spread` prints, `seeds` the
+seed values joined by ";", `best` True where the printed number is bold, `excludes_zero` (paired
+table only, else empty) True where the difference's interval excludes 0 (the † mark), and
+`selection` the checkpoint selection of the cells behind the number. `row` holds method ids, β
+values in the beta table, written as cell paths write them (read it with `dtype={"row": str}`),
+and `A-B` in the paired table, where `mean`, `std`, `ci95` are those of the differences and
+`seeds` the common seeds.
 """
 
 from __future__ import annotations
@@ -49,11 +60,11 @@ from a2tgpo.report import Cell, ReportConfig, by_method, pick_cells, selection_l
 
 log = logging.getLogger(__name__)
 
-TABLE_NAMES = ("main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta")
+TABLE_NAMES = ("main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta", "paired")
 FORMATS = ("md", "tex", "csv")
 CSV_COLUMNS = ("table", "backbone", "backbone_label", "row", "row_label", "column",
                "column_label", "column_kind", "group", "metric", "mean", "std", "ci95",
-               "n_seeds", "seeds", "best", "selection")
+               "n_seeds", "seeds", "best", "excludes_zero", "selection")
 
 
 @dataclass(frozen=True)
@@ -75,12 +86,14 @@ def t_half_width(values: list[float]) -> float | None:
 
 @dataclass
 class Stat:
-    """One printed number: the metric x 100 over the seeds that have it."""
+    """One printed number: the metric x 100 over the seeds that have it, or in the paired
+    table (`difference`) the per-seed differences A − B over the seeds both have."""
 
     values: list[float]
     seeds: list[str]
     selection: list[str]
     best: bool = False
+    difference: bool = False
 
     @property
     def mean(self) -> float:
@@ -94,13 +107,25 @@ class Stat:
     def ci95(self) -> float | None:
         return t_half_width(self.values)
 
+    @property
+    def excludes_zero(self) -> bool | None:
+        """A difference's 95% interval excludes 0 (None: not a difference, or one seed)."""
+        if not self.difference or self.ci95 is None:
+            return None
+        return abs(self.mean) > self.ci95
+
 
 @dataclass
 class Row:
     id: str
     label: str
-    cells: list[Cell]
+    cells: list[Cell]  # in the paired table, both methods' cells of the common seeds
     stats: dict[str, Stat] = field(default_factory=dict)
+    pairs: list[tuple[Cell, Cell]] = field(default_factory=list)  # paired table: (A, B) by seed
+
+    @property
+    def n_seeds(self) -> int:
+        return len({c.seed for c in self.cells})
 
 
 @dataclass
@@ -118,6 +143,7 @@ class Table:
     columns: list[Column]
     sections: list[Section]
     empty_message: str = ""
+    row_head: str = "Method"
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,18 +177,23 @@ def _columns(cfg: ReportConfig, cells: list[Cell]) -> list[Column]:
     return cols
 
 
+def _value(cfg: ReportConfig, cell: Cell, col: Column) -> float | None:
+    """The cell's metric x 100 in column `col`; None where its summary lacks it."""
+    entry = cell.summary()["datasets" if col.kind == "dataset" else "groups"].get(col.id)
+    v = None if entry is None else entry.get(cfg.metric)
+    return None if v is None else 100.0 * float(v)
+
+
 def _fill(cfg: ReportConfig, row: Row, columns: list[Column]) -> None:
     for col in columns:
         values, seeds, sel = [], [], []
         for c in row.cells:
-            s = c.summary()
-            entry = s["datasets" if col.kind == "dataset" else "groups"].get(col.id)
-            v = None if entry is None else entry.get(cfg.metric)
+            v = _value(cfg, c, col)
             if v is None:
                 continue
-            values.append(100.0 * float(v))
+            values.append(v)
             seeds.append(str(c.seed))
-            sel.append(selection_label(cfg, s))
+            sel.append(selection_label(cfg, c.summary()))
         if values:
             row.stats[col.id] = Stat(values, seeds, sel)
 
@@ -179,8 +210,8 @@ def _mark_best(cfg: ReportConfig, section: Section, columns: list[Column]) -> No
             s.best = p == top
 
 
-def _selection_text(cfg: ReportConfig, rows: list[Row]) -> str:
-    per_cell = Counter(selection_label(cfg, c.summary()) for r in rows for c in r.cells)
+def _selection_text(cfg: ReportConfig, cells: list[Cell]) -> str:
+    per_cell = Counter(selection_label(cfg, c.summary()) for c in cells)
     if not per_cell:
         return "Checkpoint selection: none evaluated."
     if len(per_cell) == 1:
@@ -191,7 +222,7 @@ def _selection_text(cfg: ReportConfig, rows: list[Row]) -> str:
 
 
 def _seeds_text(cfg: ReportConfig, rows: list[Row]) -> str:
-    if not any(len(r.cells) > 1 for r in rows):
+    if not any(r.n_seeds > 1 for r in rows):
         return "One seed per row."
     spread = ("the half-width of the two-sided 95% Student-t confidence interval of the mean "
               "(t_{0.975, n − 1} · s / √n, s the sample standard deviation with n − 1 "
@@ -203,10 +234,11 @@ def _seeds_text(cfg: ReportConfig, rows: list[Row]) -> str:
 def _caption(cfg: ReportConfig, what: str, rows: list[Row]) -> str:
     metric = cfg.metric.upper()
     lead = f"{what} " if what else ""
+    cells = [c for r in rows for c in r.cells]
     return (f"{lead}{metric} (%) on the test sets; Avg columns are sample-weighted averages "
             f"over the group's test samples. {_seeds_text(cfg, rows)} Bold: the best printed "
             f"value of each column within a backbone (ties all bold). "
-            f"{_selection_text(cfg, rows)}")
+            f"{_selection_text(cfg, cells)}")
 
 
 def _evaluated(cells: list[Cell]) -> list[Cell]:
@@ -257,8 +289,70 @@ def _beta_table(cfg: ReportConfig, cells: list[Cell]) -> Table:
     empty = "" if sections else (
         f"No results for this table: no evaluated cell of {cfg.beta_method} at any β.")
     title = f"Sensitivity of {label} to the adaptive-clip strength β"
-    return _finish(cfg, Table("beta", title, "", _columns(cfg, used), sections, empty),
+    return _finish(cfg, Table("beta", title, "", _columns(cfg, used), sections, empty, "β"),
                    f"{label} at each β (c = 1 + β(2σ(îg) − 1); β = 0 is a fixed clip):")
+
+
+def _paired_table(cfg: ReportConfig, cells: list[Cell]) -> Table:
+    """Per backbone, one row "A − B" per pair of `cfg.paired`: per-seed differences over the
+    seeds both methods have, each method at the β its main-table row shows."""
+    grouped = by_method(cells)
+    sections = []
+    for b in cfg.order_backbones(c.backbone for c in cells):
+        rows = []
+        for a, ref in cfg.paired:
+            # the main table's cells, so that the differences are those of its numbers
+            picked = [{c.seed: c for c in pick_cells(cfg, grouped.get((b, m), {}), m,
+                                                      f"paired [{b}]")} for m in (a, ref)]
+            common = sorted(picked[0].keys() & picked[1].keys())
+            if not common:
+                log.info("paired [%s]: %s and %s have no evaluated seed in common; row left "
+                         "out", b, a, ref)
+                continue
+            pairs = [(picked[0][s], picked[1][s]) for s in common]
+            rows.append(Row(f"{a}-{ref}", f"{cfg.method_label(a)} − {cfg.method_label(ref)}",
+                            [c for pair in pairs for c in pair], pairs=pairs))
+        if rows:
+            sections.append(Section(b, cfg.backbone_label(b), rows))
+    # a method's cells can serve several pairs: each counts once
+    used = list({c.run_dir: c for s in sections for r in s.rows for c in r.cells}.values())
+    table = Table("paired", "Paired differences between methods", "", _columns(cfg, used),
+                  sections, row_head="Difference")
+    for s in sections:
+        for r in s.rows:
+            _fill_paired(cfg, r, table.columns)
+    if not sections:
+        listed = ", ".join(f"{a} − {ref}" for a, ref in cfg.paired) or "none"
+        table.empty_message = (f"No results for this table: no pair of methods ({listed}) has a "
+                               "seed evaluated (eval/summary.json) for both.")
+        table.caption = table.empty_message
+        return table
+    numbers = [st for s in sections for r in s.rows for st in r.stats.values()]
+    single = (" A difference over one common seed is printed without an interval and is not "
+              "marked." if any(st.ci95 is None for st in numbers) else "")
+    table.caption = (
+        f"A − B: mean over seeds of the per-seed difference of {cfg.metric.upper()} (%) on the "
+        "test sets, seeds matched by value (only seeds both methods have count; Seeds gives "
+        "their number n), each method represented by its cells of the main table; ± the "
+        "half-width of the paired two-sided 95% Student-t confidence interval of the mean "
+        "difference (t_{0.975, n − 1} · s / √n, s the sample standard deviation of the n "
+        "differences), whatever report.spread. † marks a difference whose interval excludes 0 "
+        f"(a paired two-sided t-test at the 5% level).{single} {_selection_text(cfg, used)}")
+    return table
+
+
+def _fill_paired(cfg: ReportConfig, row: Row, columns: list[Column]) -> None:
+    for col in columns:
+        values, seeds, sel = [], [], []
+        for a, b in row.pairs:
+            va, vb = _value(cfg, a, col), _value(cfg, b, col)
+            if va is None or vb is None:
+                continue
+            values.append(va - vb)
+            seeds.append(str(a.seed))
+            sel += [selection_label(cfg, a.summary()), selection_label(cfg, b.summary())]
+        if values:
+            row.stats[col.id] = Stat(values, seeds, sel, difference=True)
 
 
 def _finish(cfg: ReportConfig, table: Table, what: str) -> Table:
@@ -295,6 +389,7 @@ def build_tables(cfg: ReportConfig, cells: list[Cell]) -> dict[str, Table]:
             "AT2PO with each turn-credit scheme (node-value aggregation and advantage form):",
             dict(cfg.credit_at2po)),
         "beta": _beta_table(cfg, cells),
+        "paired": _paired_table(cfg, cells),
     }
 
 
@@ -303,7 +398,8 @@ def build_tables(cfg: ReportConfig, cells: list[Cell]) -> dict[str, Table]:
 
 
 def _number(cfg: ReportConfig, s: Stat, pm: str) -> str:
-    spread = s.ci95 if cfg.spread == "ci95" else s.std
+    # a difference always shows its interval: whether it excludes 0 is the paired table's point
+    spread = s.ci95 if s.difference or cfg.spread == "ci95" else s.std
     text = f"{s.mean:.{cfg.decimals}f}"
     if spread is not None:
         text += f"{pm}{spread:.{cfg.decimals}f}"
@@ -326,6 +422,7 @@ _TEX_SPECIAL = {
     "σ": r"\ensuremath{\sigma}", "±": r"\ensuremath{\pm}", "−": r"\ensuremath{-}",
     "×": r"\ensuremath{\times}", "→": r"\ensuremath{\rightarrow}", "≥": r"\ensuremath{\geq}",
     "≤": r"\ensuremath{\leq}", "î": r"\^{\i}", "·": r"\ensuremath{\cdot}",
+    "†": r"\ensuremath{\dagger}",
 }
 
 
@@ -338,23 +435,24 @@ def render_markdown(cfg: ReportConfig, table: Table) -> str:
     out = [f"# {md_escape(table.title)}", "", md_escape(table.caption), ""]
     if not table.sections:  # the caption says why
         return "\n".join(out)
-    head = ["Method" if table.name != "beta" else "β", "Seeds"] + [c.label for c in table.columns]
+    head = [table.row_head, "Seeds"] + [c.label for c in table.columns]
     for s in table.sections:
         out += [f"## {md_escape(s.label)}", "",
                 "| " + " | ".join(md_escape(h) for h in head) + " |",
                 "|" + "---|" + "---:|" * (len(head) - 1)]
         for r in s.rows:
-            cells = [md_escape(r.label), str(len(r.cells))]
-            cells += _stat_cells(cfg, table, r, missing="–", pm=" ± ", bold="**{}**")
+            cells = [md_escape(r.label), str(r.n_seeds)]
+            cells += _stat_cells(cfg, table, r, missing="–", pm=" ± ", bold="**{}**",
+                                 dagger="{}†")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
 
-def _stat_cells(cfg: ReportConfig, table: Table, row, *, missing: str, pm: str, bold: str
-                ) -> list[str]:
-    """A row's value per column: mean (± spread), `bold` formatting the column's best, `missing`
-    where the row has no value."""
+def _stat_cells(cfg: ReportConfig, table: Table, row, *, missing: str, pm: str, bold: str,
+                dagger: str) -> list[str]:
+    """A row's value per column: mean (± spread), `bold` formatting the column's best,
+    `dagger` a difference whose interval excludes 0, `missing` where the row has no value."""
     cells = []
     for col in table.columns:
         st = row.stats.get(col.id)
@@ -362,7 +460,8 @@ def _stat_cells(cfg: ReportConfig, table: Table, row, *, missing: str, pm: str, 
             cells.append(missing)
             continue
         text = _number(cfg, st, pm)
-        cells.append(bold.format(text) if st.best else text)
+        text = bold.format(text) if st.best else text
+        cells.append(dagger.format(text) if st.excludes_zero else text)
     return cells
 
 
@@ -375,7 +474,7 @@ def render_latex(cfg: ReportConfig, table: Table) -> str:
     if not table.sections:
         out += [f"\\emph{{{tex_escape(table.empty_message)}}}", "\\end{table}", ""]
         return "\n".join(out)
-    head = ["Backbone", "Method" if table.name != "beta" else "β", "Seeds"]
+    head = ["Backbone", table.row_head, "Seeds"]
     head += [c.label for c in table.columns]
     out += ["\\begin{tabular}{ll" + "r" * (len(head) - 2) + "}", "\\toprule",
             " & ".join(tex_escape(h) for h in head) + " \\\\"]
@@ -383,9 +482,9 @@ def render_latex(cfg: ReportConfig, table: Table) -> str:
         out.append("\\midrule")
         for i, r in enumerate(s.rows):
             cells = [tex_escape(s.label) if i == 0 else "", tex_escape(r.label),
-                     str(len(r.cells))]
+                     str(r.n_seeds)]
             cells += _stat_cells(cfg, table, r, missing="--", pm=" $\\pm$ ",
-                                 bold="\\textbf{{{}}}")
+                                 bold="\\textbf{{{}}}", dagger="{}$^\\dagger$")
             out.append(" & ".join(cells) + " \\\\")
     out += ["\\bottomrule", "\\end{tabular}", "\\end{table}", ""]
     return "\n".join(out)
@@ -406,7 +505,9 @@ def render_csv(cfg: ReportConfig, table: Table) -> str:
                             col.kind, col.group, cfg.metric, _full(st.mean),
                             "" if st.std is None else _full(st.std),
                             "" if st.ci95 is None else _full(st.ci95), len(st.values),
-                            ";".join(st.seeds), st.best, "; ".join(sel)])
+                            ";".join(st.seeds), st.best,
+                            "" if st.excludes_zero is None else st.excludes_zero,
+                            "; ".join(sel)])
     return buf.getvalue()
 
 

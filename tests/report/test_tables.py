@@ -59,7 +59,7 @@ def test_main_table_markdown_means_stds_and_bold(make_cell, tmp_path):
     written = write_tables(ReportConfig(spread="std"), discover_cells(runs), tmp_path / "tables")
     names = sorted(p.name for p in written)
     assert names == sorted(f"{t}.{e}" for t in ("main", "ablation_a2tgpo", "ablation_at2po",
-                                                 "credit_at2po", "beta")
+                                                 "credit_at2po", "beta", "paired")
                            for e in ("md", "tex", "csv"))
     md = (tmp_path / "tables" / "main.md").read_text()
     lines = md.splitlines()
@@ -251,7 +251,7 @@ def test_cli_tables_with_config(make_cell, tmp_path, capsys):
     assert cli_main(["tables", "--runs", str(runs), "--config", str(cfg), "--section", "report",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out.split()
-    assert str(out / "main.md") in printed and len(printed) == 15
+    assert str(out / "main.md") in printed and len(printed) == 18
     md = (out / "main.md").read_text()
     # the default spread is the 95% t-interval's half-width t_{0.975, n-1} · s / √n:
     # A2TGPO .45/.47: s = √2, t_{0.975,1} = 12.7062 -> 12.7062 · √2 / √2 = 12.71;

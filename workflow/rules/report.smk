@@ -2,7 +2,7 @@
 # each other set over the default cells plus its own (results/<study>/tables/<set>/, ...).
 
 
-TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta"]
+TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta", "paired"]
 
 
 rule tables:
