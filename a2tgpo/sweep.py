@@ -531,6 +531,7 @@ def _precreate_mlflow_run(cfg, sweep: SweepConfig, index: int, number: int) -> N
     then resumes it by the run folder's mlflow_run.json and logs the rest)."""
     from a2tgpo.config import format_value
     from a2tgpo.tracking import Tracker
+    from a2tgpo.train.rl import run_name
 
     if not cfg.tracking.mlflow:
         return
@@ -538,8 +539,8 @@ def _precreate_mlflow_run(cfg, sweep: SweepConfig, index: int, number: int) -> N
     tags = {"sweep": sweep.name, "trial": str(index), "optuna_trial": str(number),
             "beta": format_value(v["beta"]), "gamma": format_value(v["gamma"]),
             "cell": cfg.cell, "stage": "sweep"}
-    tracker = Tracker(cfg.run_dir, cfg.tracking, study=cfg.study, run_name=cfg.cell, tags=tags,
-                      results_dir=cfg.results_dir)
+    tracker = Tracker(cfg.run_dir, cfg.tracking, study=cfg.study, run_name=run_name(cfg),
+                      tags=tags, results_dir=cfg.results_dir)
     with tracker:
         pass
     if not tracker.mlflow_enabled:

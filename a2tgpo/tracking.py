@@ -237,8 +237,9 @@ def _prepare_store(cfg: TrackingConfig, results_dir: str | Path) -> str:
     return resolve_tracking_uri(cfg, results_dir)
 
 
-# The MLflow UI (3.x) opens an experiment by its kind: without this tag it guesses "GenAI" for an
-# experiment with no traces and shows the (empty) traces overview instead of the runs table.
+# What the experiment is, for MLflow's UI and API (3.x): model training, not a GenAI app. The 3.17
+# UI still opens on the traces overview until "Model training" is picked in its sidebar (or the
+# URL has ?workflowType=machine_learning): the README says so.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
