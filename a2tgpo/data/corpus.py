@@ -42,14 +42,14 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.file_download import HfFileMetadata
-from tqdm import tqdm
 
 from a2tgpo.config import load_config, option
 from a2tgpo.io import atomic_path, atomic_write_json
+from a2tgpo.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ def _check_sha256(name: str, sha256: str, etag: str | None) -> None:
 class _HashingReader:
     """Read-only file wrapper that hashes and reports every byte read through it."""
 
-    def __init__(self, raw: BinaryIO, digest: hashlib._Hash, bar: tqdm) -> None:
+    def __init__(self, raw: BinaryIO, digest: hashlib._Hash, bar: Any) -> None:
         self.raw, self.digest, self.bar = raw, digest, bar
 
     def read(self, size: int = -1) -> bytes:
@@ -434,8 +434,8 @@ def _hash_and_count_lines(path: Path, etag: str | None) -> tuple[str, int]:
     return sha256, lines + (last != b"\n")  # a last line without its newline still counts
 
 
-def _bytes_bar(total: int, desc: str) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+def _bytes_bar(total: int, desc: str):
+    return progress_bar(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
 
 
 def _read_manifest(path: Path) -> dict:

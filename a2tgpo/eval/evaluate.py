@@ -49,13 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from a2tgpo.config import load_config
 from a2tgpo.data.qa import load_split
 from a2tgpo.eval.select import complete_checkpoints, read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
 from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import SearchTool
 from a2tgpo.rollout.runner import (
@@ -205,7 +204,7 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     items = [(s.name, r) for s in test_sets for r in s.rows]
     out: dict[str, list[dict]] = {s.name: [] for s in test_sets}
-    with tqdm(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
+    with progress_bar(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
         watched = _WaveProgress(engine, bar)
         for start in range(0, len(items), chunk):
             part = items[start: start + chunk]

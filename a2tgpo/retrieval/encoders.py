@@ -104,9 +104,9 @@ class Encoder:
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         starts = range(0, len(ids), self.cfg.batch_size)
         if progress:
-            from tqdm import tqdm
+            from a2tgpo.progress import progress_bar
 
-            starts = tqdm(starts, desc=f"encode {kind}s", unit="batch")
+            starts = progress_bar(starts, desc=f"encode {kind}s", unit="batch")
         with torch.inference_mode():
             for s in starts:
                 idx = order[s: s + self.cfg.batch_size]

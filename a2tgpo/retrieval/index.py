@@ -93,14 +93,14 @@ def encode_shard(docs, encoder, shard: int, num_shards: int, out_path: str | Pat
     Finished chunks live in `<out_path>.parts/` until the whole shard is written; a rerun
     skips them. Returns the shard's embeddings.
     """
-    from tqdm import tqdm
+    from a2tgpo.progress import progress_bar
 
     out_path = Path(out_path)
     start, end = shard_range(len(docs), shard, num_shards)
     parts = out_path.with_name(out_path.name + ".parts")
     parts.mkdir(parents=True, exist_ok=True)
     chunks = []
-    for k, s in enumerate(tqdm(range(start, end, chunk_size), desc=f"shard {shard}",
+    for k, s in enumerate(progress_bar(range(start, end, chunk_size), desc=f"shard {shard}",
                                unit="chunk")):
         path = parts / f"chunk_{k:06d}.npy"
         if path.exists():

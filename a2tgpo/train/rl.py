@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from a2tgpo.algo.advantages import dynamic_sampling_keep, overlong_penalty
 from a2tgpo.algo.api import TurnInputs, turn_advantage_tensors
@@ -56,6 +55,7 @@ from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
 from a2tgpo.eval.select import best_step
 from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question, SearchTool
 from a2tgpo.rollout.failures import outcome_metrics
@@ -171,7 +171,7 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
             run.tracker.log(validate(run, run.start), run.start)
     except StopRequested as e:
         _stop(run, None, str(e))  # nothing new to save
-    bar = tqdm(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
+    bar = progress_bar(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
                unit="step", initial=first, total=sched.steps, disable=not run.main)
     streak = 0  # consecutive non-finite steps
     for step in bar:

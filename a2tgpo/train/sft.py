@@ -370,7 +370,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *
 
     Deterministic given `cfg.seed` (torch's seed and the data order), on one device.
     """
-    from tqdm import tqdm
+    from a2tgpo.progress import progress_bar
 
     kept = [t for t in demos if len(t.prompt_ids) + t.response_length() <= cfg.max_seq_len]
     skipped = len(demos) - len(kept)
@@ -389,7 +389,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
     model.train()
     history = []
-    bar = tqdm(total=total, desc="sft", unit="step", disable=not progress)
+    bar = progress_bar(total=total, desc="sft", unit="step", disable=not progress)
     for epoch in range(cfg.epochs):
         start, ep_loss, ep_actions, ep_tokens = time.perf_counter(), 0.0, 0, 0
         for rows in length_batches(lengths, cfg.batch_size, order_rng):
