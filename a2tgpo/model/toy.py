@@ -18,6 +18,7 @@ from pathlib import Path
 
 from a2tgpo.config import option
 from a2tgpo.io import atomic_path, atomic_write_json
+from a2tgpo.model.copy_pretrain import CopyPretrainConfig, copy_pretrain
 from a2tgpo.rollout import prompts
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -48,6 +49,10 @@ class ToyBackboneConfig:
     head_dim: int = option(32, "Per-head dimension.", ge=1)
     max_position_embeddings: int = option(2048, "Context length the model supports.", ge=1)
     rope_theta: float = option(10000.0, "RoPE base.", gt=0)
+    copy: CopyPretrainConfig = option(
+        doc="Copy pretraining of the built model (a2tgpo/model/copy_pretrain.py): the induction "
+        "skill that lets it copy names it never saw; steps 0 = off.",
+        factory=CopyPretrainConfig)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -131,9 +136,11 @@ def build_model(cfg: ToyBackboneConfig, tokenizer):
 
 
 def write_toy_backbone(cfg: ToyBackboneConfig, world_dir: str | Path, out_dir: str | Path) -> dict:
-    """Build tokenizer + model from the world at `world_dir`; save both to `out_dir` atomically."""
+    """Build tokenizer + model from the world at `world_dir`, copy-pretrain the model when
+    `cfg.copy.steps` > 0; save both to `out_dir` atomically."""
     tokenizer = build_tokenizer(cfg, training_texts(Path(world_dir)))
     model = build_model(cfg, tokenizer)
+    copy = copy_pretrain(model, tokenizer, cfg.copy)
     with atomic_path(out_dir, directory=True) as tmp:
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp)
@@ -143,6 +150,7 @@ def write_toy_backbone(cfg: ToyBackboneConfig, world_dir: str | Path, out_dir: s
             "model_vocab": model.config.vocab_size,
             "layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
+            "copy_pretraining": copy,
         }
         atomic_write_json(tmp / "a2tgpo_backbone.json", summary)
     return summary

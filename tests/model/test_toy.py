@@ -93,6 +93,21 @@ def test_backbone_save_load_same_function(backbone_dir, tok):
     assert torch.isfinite(logits).all()
 
 
+def test_copy_pretraining_runs_when_asked_and_is_recorded(backbone_dir, tmp_path):
+    from a2tgpo.model.copy_pretrain import CopyPretrainConfig
+
+    world = backbone_dir[0].parent / "world"
+    cfg = ToyBackboneConfig(copy=CopyPretrainConfig(steps=2, batch_size=2, warmup_steps=1))
+    summary = write_toy_backbone(cfg, world, tmp_path / "b")
+    assert [h["step"] for h in summary["copy_pretraining"]["history"]] == [1, 2]
+    assert backbone_dir[1]["copy_pretraining"] == {"steps": 0, "history": []}  # the default
+    # same seed and sizes: the weights differ from the un-pretrained backbone's
+    a = load_model(BackboneConfig(id="a", path=str(backbone_dir[0]), dtype="float32"), "cpu")
+    b = load_model(BackboneConfig(id="b", path=str(tmp_path / "b"), dtype="float32"), "cpu")
+    assert not torch.equal(a.model.layers[0].self_attn.q_proj.weight,
+                           b.model.layers[0].self_attn.q_proj.weight)
+
+
 def test_model_config_validation():
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ToyBackboneConfig(num_attention_heads=4, num_key_value_heads=3)
