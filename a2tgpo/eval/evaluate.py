@@ -15,10 +15,12 @@ Outputs of one checkpoint, in `<out>/` (the directory is replaced atomically as 
 reader never sees a mix of two evaluations; summary.json is the completeness marker):
 
     <dataset>.json              {"dataset", "group", "n", "em", "f1", "format_ok", "tool_calls",
-                                 "step", "checkpoint", "criterion"}  (means over the questions)
+                                 "step", "checkpoint", "criterion", "outcomes"} (means over the
+                                 questions; outcomes: the share of each outcome)
     <dataset>.predictions.jsonl one row per question, file order: {"id", "question",
                                  "golden_answers", "prediction" (extracted answer or null),
-                                 "em", "f1", "format_ok", "tool_calls", "queries", "stop"}
+                                 "em", "f1", "format_ok", "tool_calls", "queries", "stop",
+                                 "outcome" (a2tgpo/rollout/failures.py: why it failed)}
     summary.json                {"step", "checkpoint", "criterion", "label",
                                  "datasets": {name: {"n", "em", "f1", "group"}},
                                  "groups": {group: {"n", "em", "f1"}, ..., "all": {...}}}
@@ -57,6 +59,7 @@ from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import SearchTool
+from a2tgpo.rollout.failures import label_outcomes, outcome_shares
 from a2tgpo.rollout.runner import (
     GREEDY_SEED,
     make_engine,
@@ -212,7 +215,8 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
             watched.wave = 0
             trajs = rollout(cfg, qs, watched, tool, seed=GREEDY_SEED, greedy=True)
             trajs = score(cfg, tok, trajs, training=False)
-            for (name, r), t in zip(part, trajs, strict=True):
+            outcomes = label_outcomes(trajs, tok, {q.id: q for q in qs})
+            for (name, r), t, outcome in zip(part, trajs, outcomes, strict=True):
                 if t.question_id != r["id"]:
                     raise RuntimeError(f"rollout order changed: {t.question_id} for {r['id']}")
                 out[name].append({
@@ -221,7 +225,7 @@ def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset
                     "em": float(t.extra["em"]), "f1": float(t.extra["f1"]),
                     "format_ok": bool(t.extra["format_ok"]), "tool_calls": t.num_tool_calls,
                     "queries": [x.query for x in t.turns if x.stop == "search"],
-                    "stop": t.turns[-1].stop})
+                    "stop": t.turns[-1].stop, "outcome": outcome})
             bar.update(len(part))
     return out
 
@@ -244,6 +248,10 @@ def write_results(out_dir: str | Path, test_sets: Sequence[EvalDataset],
         m = mean_metrics(rows, ("em", "f1", "format_ok", "tool_calls"))
         per_set[s.name] = {"dataset": s.name, "group": s.group, **m, "step": step,
                            "checkpoint": checkpoint, "criterion": criterion}
+        if rows and all("outcome" in r for r in rows):
+            per_set[s.name]["outcomes"] = {
+                k.split("/", 1)[1]: v for k, v in outcome_shares(
+                    [r["outcome"] for r in rows], [None] * len(rows), "o").items()}
         datasets[s.name] = {"n": m["n"], "em": m["em"], "f1": m["f1"], "group": s.group}
     summary = {"step": step, "checkpoint": checkpoint, "criterion": criterion, "label": label,
                "datasets": datasets, "groups": group_averages(predictions, groups)}

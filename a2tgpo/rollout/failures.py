@@ -4,8 +4,9 @@ Every trajectory gets exactly one outcome, the first of these that applies:
 
   correct        exact match with a golden answer
   limit          ended by a limit: the tool-call limit, the total length or a turn's token budget
-  format         ended with no readable answer (no protocol marker, an end-of-sequence token,
-                 an answer without \\boxed{} / the tags)
+  format         no readable answer (no protocol marker, an end-of-sequence token, an answer
+                 without \\boxed{} / the tags), or one the style's format check refuses (the
+                 training reward's -1)
   not_copied     a golden answer was in a retrieved passage, but the answer given is another
   stopped_early  answered after fewer searches than the question has hops (no hop count known:
                  without any search), and no golden answer was retrieved

@@ -166,6 +166,13 @@ def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
             # the model was fitted to one script: it searched once and answered `answer`
             assert p["prediction"] == answer and p["queries"] == [toy_cell.query]
             assert p["tool_calls"] == 1 and p["stop"] == "answer"
+            # an answer turn after one search: correct exactly when EM; otherwise a format
+            # failure exactly when the format check failed (the training reward's -1), else
+            # a reading or search failure; never a limit
+            assert (p["outcome"] == "correct") == (p["em"] == 1.0)
+            if p["em"] < 1.0:
+                assert (p["outcome"] == "format") == (not p["format_ok"])
+            assert p["outcome"] != "limit"
             # EM/F1 recomputed from the prediction by the reward module
             assert p["em"] == exact_match(p["prediction"], r["golden_answers"])
             assert p["f1"] == pytest.approx(f1_score(p["prediction"], r["golden_answers"]))
@@ -176,6 +183,9 @@ def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
         assert rec["f1"] == pytest.approx(sum(p["f1"] for p in preds) / n)
         assert rec["format_ok"] == pytest.approx(sum(p["format_ok"] for p in preds) / n)
         assert rec["tool_calls"] == 1.0
+        assert rec["outcomes"]["correct"] == pytest.approx(rec["em"])
+        assert rec["outcomes"]["query_missed"] == pytest.approx(
+            sum(p["outcome"] == "query_missed" for p in preds) / n)
         assert summary["datasets"][name] == pytest.approx(
             {"n": n, "em": rec["em"], "f1": rec["f1"], "group": group})
         assert summary["groups"][group]["em"] == pytest.approx(rec["em"])  # one set per group
