@@ -303,7 +303,7 @@ def _curve(w: _Writer, backbone: str, kind: str, cells: dict[str, list[Cell]]) -
     w.save(fig, backbone, kind)
 
 
-def _last_outcomes(rows: list[dict], first: bool) -> tuple[int, dict[str, float]] | None:
+def _validation_outcomes(rows: list[dict], first: bool) -> tuple[int, dict[str, float]] | None:
     """(step, {outcome key: share}) of the first or last validation that logged outcomes."""
     logged = [r for r in rows if "val/outcome/correct" in r and "step" in r]
     if not logged:
@@ -323,9 +323,10 @@ def outcome_bars(cfg: ReportConfig, cells: dict[str, list[Cell]]
     for m, cs in cells.items():
         rows = [c.metrics() or [] for c in cs]
         if start is None:
-            firsts = [f for f in (_last_outcomes(r, first=True) for r in rows) if f and f[0] == 0]
+            firsts = [f for f in (_validation_outcomes(r, first=True) for r in rows)
+                      if f and f[0] == 0]
             start = firsts[0] if firsts else None
-        ends = [e for e in (_last_outcomes(r, first=False) for r in rows) if e and e[0] > 0]
+        ends = [e for e in (_validation_outcomes(r, first=False) for r in rows) if e and e[0] > 0]
         if ends:
             keys = set().union(*(e for _, e in ends))
             bars[cfg.method_label(m)] = (max(s for s, _ in ends), {
