@@ -144,8 +144,13 @@ def _search(think: str, query: str, first: bool) -> Step:
 
 
 def _answer(think: str, answer: str, first: bool) -> Step:
+    # "{ X}", not "{X}": byte-level BPE splits a name after "{" differently from the same name
+    # after a space (" Keak|field" in the passage, "K|eak|field" after "{"), so "{X}" would
+    # ask the tiny model to re-tokenise what it read. With the space the boxed answer is an
+    # exact copy of the passage's tokens: toy dev EM 0.33 -> 0.45 (single-hop 0.52 -> 0.81).
+    # The answer's normalisation drops the space.
     return ((f"{'' if first else ' '}<think> {think} </think> <answer> The final answer is "
-             f"\\[ \\boxed{{{answer}}} \\] </answer>"), None)
+             f"\\[ \\boxed{{ {answer}}} \\] </answer>"), None)
 
 
 def misspell(name: str, rng: random.Random) -> str:

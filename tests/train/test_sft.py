@@ -151,7 +151,30 @@ def test_oracle_retries_a_missed_page_then_answers_with_what_it_has():
     assert query == "Barton" and "Foo Labs is headquartered in Barton." in text
     # Barton's page never comes back: it answers with the bridge entity it has
     text, query = agent.send(" <result>\nNo search results found.\n</result>")
-    assert query is None and "\\boxed{Barton}" in text and "could not find Barton" in text
+    assert query is None and "\\boxed{ Barton}" in text and "could not find Barton" in text
+
+
+def test_boxed_answer_has_the_passages_tokens(demos, tokenizer):
+    """The answer in the box is tokenised exactly as the name after a space in a passage, so
+    answering is copying ids, not re-tokenising (see `_answer`)."""
+    checked = 0
+    for d in demos:
+        if d.extra["kind"] != "perfect" or not d.extra["em"]:
+            continue
+        action = d.turns[-1].action_ids
+        text = tokenizer.decode(action)
+        answer = text.split("\\boxed{")[1].split("}")[0]
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        assert answer.startswith(" ") and ids == tokenizer.encode(
+            " " + answer.strip(), add_special_tokens=False)
+        # the very ids of " <answer>" occur in the observations the demo read
+        obs = [i for t in d.turns for i in t.obs_ids]
+        assert any(obs[k:k + len(ids)] == ids for k in range(len(obs))), text
+        # and in the action itself, right after the id of "{"
+        k = next(k for k in range(len(action)) if tokenizer.decode(action[:k]).endswith("{"))
+        assert list(action[k:k + len(ids)]) == ids
+        checked += 1
+    assert checked >= 10
 
 
 def test_find_fact_reads_the_entitys_own_page():
