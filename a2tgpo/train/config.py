@@ -178,6 +178,10 @@ class SftConfig:
     imperfect_fraction: float = option(
         0.25, "Share of demonstrations that are deliberately imperfect (guess, early answer, "
         "wrong query), so the starting policy leaves RL room to improve.", ge=0, le=1)
+    early_answer_fraction: float = option(
+        0.0, "Share of multi-hop demonstrations that answer after the first hop (drawn before "
+        "imperfect_fraction, which applies to the rest); above 0.5 the greedy starting policy "
+        "stops early on multi-hop questions and RL has to learn the second search.", ge=0, le=1)
     # toy defaults, measured on 2 CPU cores: 12 epochs of the 540 training demonstrations
     # take about 160 s and give greedy dev EM ~0.3 (0.42 single-hop, 0.26 multi-hop)
     epochs: int = option(12, "Passes over the demonstrations.", ge=1)
@@ -194,6 +198,8 @@ class SftConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.imperfect_fraction <= 1.0:
             raise ValueError("imperfect_fraction must be in [0, 1]")
+        if not 0.0 <= self.early_answer_fraction <= 1.0:
+            raise ValueError("early_answer_fraction must be in [0, 1]")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError("warmup_ratio must be in [0, 1)")
         if min(self.epochs, self.batch_size, self.max_seq_len, self.log_every) < 1:

@@ -21,6 +21,11 @@ policy leaves RL room to improve, while every demonstration stays well formatted
   * `wrong_query`: one query is a slightly wrong spelling of the name (a dropped or swapped
     letter, or a dropped word); the oracle goes on if the page still comes back, and otherwise
     searches again.
+`early_answer_fraction` sets the share of multi-hop questions whose demonstration stops after
+the first hop, before `imperfect_fraction` is drawn from the rest. Above one half it makes the
+greedy starting policy short-sighted on multi-hop questions (greedy decoding follows the
+majority of demonstrations at each decision), which RL then has to correct: searching again
+after the first observation is the turn-level decision the credit-assignment methods differ on.
 The imperfect demonstrations reuse the perfect ones' thoughts, so the model learns a
 probability of stopping early or guessing at the same decision points, not a separate style.
 
@@ -216,12 +221,25 @@ def oracle(q: OracleQuestion, kind: str, rng: random.Random) -> Generator[Step, 
 
 
 def assign_kinds(questions: Sequence[OracleQuestion], imperfect_fraction: float,
-                 seed: int) -> list[str]:
-    """Exactly round(fraction × n) questions get an imperfect kind, the rest `perfect`."""
-    rng = random.Random(seed)
+                 seed: int, early_answer_fraction: float = 0.0) -> list[str]:
+    """Each question's demonstration kind.
+
+    First exactly round(early_answer_fraction × m) of the m multi-hop questions (more than one
+    lookup) get `early_answer`; then exactly round(imperfect_fraction × r) of the r others get
+    an imperfect kind drawn uniformly, the rest `perfect`. With early_answer_fraction 0 the
+    draw is the one-fraction draw alone.
+    """
     kinds = ["perfect"] * len(questions)
-    for i in sorted(rng.sample(range(len(questions)),
-                               round(imperfect_fraction * len(questions)))):
+    if early_answer_fraction:
+        multi = [i for i, q in enumerate(questions) if len(q.lookups) > 1]
+        early = random.Random(f"{seed}:early").sample(multi,
+                                                      round(early_answer_fraction * len(multi)))
+        for i in early:
+            kinds[i] = "early_answer"
+    rest = [i for i, k in enumerate(kinds) if k == "perfect"]
+    rng = random.Random(seed)
+    for j in sorted(rng.sample(range(len(rest)), round(imperfect_fraction * len(rest)))):
+        i = rest[j]
         # early_answer needs a second hop to skip
         options = ("guess", "wrong_query") + (("early_answer",)
                                               if len(questions[i].lookups) > 1 else ())
@@ -231,7 +249,7 @@ def assign_kinds(questions: Sequence[OracleQuestion], imperfect_fraction: float,
 
 def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, cfg: AgentConfig,
                          *, imperfect_fraction: float, seed: int,
-                         chat_kwargs: dict | None = None) -> list[Trajectory]:
+                         early_answer_fraction: float = 0.0, chat_kwargs: dict | None = None) -> list[Trajectory]:
     """One oracle trajectory per question, built turn by turn with `TrajectoryBuilder`.
 
     All oracles advance in waves with one batched search per wave, as the rollout does. Action
@@ -241,7 +259,7 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
     if cfg.prompt_style != "a2tgpo":
         raise ValueError("the oracle writes a2tgpo-style demonstrations; set prompt_style: a2tgpo")
     tok = tool.tokenizer
-    kinds = assign_kinds(questions, imperfect_fraction, seed)
+    kinds = assign_kinds(questions, imperfect_fraction, seed, early_answer_fraction)
     builders = [TrajectoryBuilder(prompt_ids(tok, q.question, cfg.prompt_style, chat_kwargs),
                                   question_id=q.id, group_id=q.id, golden_answers=q.golden_answers)
                 for q in questions]
@@ -470,7 +488,8 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
     try:
         tool = SearchTool(retriever, tok, agent)
         demos = write_demonstrations(questions, tool, agent,
-                                     imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed)
+                                     imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed,
+                                     early_answer_fraction=cfg.early_answer_fraction)
     finally:
         retriever.close()
     stats = demo_stats(demos)

@@ -14,6 +14,7 @@ from a2tgpo.train.sft import (
     OracleQuestion,
     SftConfig,
     action_token_loss,
+    assign_kinds,
     demo_loss,
     demo_stats,
     find_fact,
@@ -286,9 +287,30 @@ def test_main_writes_a_loadable_model(toy, tmp_path):
     assert not list(tmp_path.glob(".sft.*"))  # no temporary directory left behind
 
 
+def test_early_answer_fraction_is_exact_and_multi_hop_only(questions):
+    # the fixture world: 16 single-hop and 24 multi-hop questions
+    multi = [i for i, q in enumerate(questions) if len(q.lookups) > 1]
+    assert len(multi) == 24
+    kinds = assign_kinds(questions, 0.25, 0, early_answer_fraction=0.75)
+    early = [i for i, k in enumerate(kinds) if k == "early_answer"]
+    # round(0.75 × 24) = 18 drawn first, all multi-hop, then round(0.25 × 22) = 6 (rounded
+    # half to even from 5.5) of the 22 others are imperfect, a few of them early_answer again
+    first = [i for i in multi if kinds[i] == "early_answer"]
+    assert 18 <= len(first) and set(early) <= set(multi)
+    assert sum(k != "perfect" for k in kinds) == 18 + 6
+    # 0 leaves the one-fraction draw exactly as it was
+    assert assign_kinds(questions, 0.25, 0) == assign_kinds(questions, 0.25, 0, 0.0)
+    assert sum(k != "perfect" for k in assign_kinds(questions, 0.25, 0)) == 10  # 0.25 × 40
+    # the whole multi-hop share: every multi-hop demonstration stops after its first hop
+    all_early = assign_kinds(questions, 0.0, 0, early_answer_fraction=1.0)
+    assert [i for i, k in enumerate(all_early) if k == "early_answer"] == multi
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="imperfect_fraction"):
         SftConfig(imperfect_fraction=1.5)
+    with pytest.raises(ValueError, match="early_answer_fraction"):
+        SftConfig(early_answer_fraction=-0.1)
     with pytest.raises(ValueError, match="<dataset>/<split>"):
         SftConfig(datasets=("toy_nq",))
 
