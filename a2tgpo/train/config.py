@@ -182,6 +182,10 @@ class SftConfig:
         0.0, "Share of multi-hop demonstrations that answer after the first hop (drawn before "
         "imperfect_fraction, which applies to the rest); above 0.5 the greedy starting policy "
         "stops early on multi-hop questions and RL has to learn the second search.", ge=0, le=1)
+    kind_draws: int = option(
+        1, "Independent draws of the demonstration kinds (seeds seed, seed+1, ...); epoch e "
+        "trains on draw e mod kind_draws, so which question was imperfect cannot be memorised.",
+        ge=1)
     # toy defaults, measured on 2 CPU cores: 12 epochs of the 540 training demonstrations
     # take about 160 s and give greedy dev EM ~0.3 (0.42 single-hop, 0.26 multi-hop)
     epochs: int = option(12, "Passes over the demonstrations.", ge=1)
@@ -202,8 +206,10 @@ class SftConfig:
             raise ValueError("early_answer_fraction must be in [0, 1]")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError("warmup_ratio must be in [0, 1)")
-        if min(self.epochs, self.batch_size, self.max_seq_len, self.log_every) < 1:
-            raise ValueError("epochs, batch_size, max_seq_len and log_every must be >= 1")
+        if min(self.epochs, self.batch_size, self.max_seq_len, self.log_every,
+               self.kind_draws) < 1:
+            raise ValueError("epochs, batch_size, max_seq_len, log_every and kind_draws must be "
+                             ">= 1")
         if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("lr must be > 0, weight_decay and grad_clip >= 0")
         if self.max_questions is not None and self.max_questions < 1:

@@ -26,6 +26,9 @@ the first hop, before `imperfect_fraction` is drawn from the rest. Above one hal
 greedy starting policy short-sighted on multi-hop questions (greedy decoding follows the
 majority of demonstrations at each decision), which RL then has to correct: searching again
 after the first observation is the turn-level decision the credit-assignment methods differ on.
+With `kind_draws` > 1 the kinds are drawn again for each of that many demonstration sets and
+the epochs cycle through them, so the warm start learns a share of imperfect behaviour per
+question type rather than which question was imperfect (the RL questions are the SFT's).
 The imperfect demonstrations reuse the perfect ones' thoughts, so the model learns a
 probability of stopping early or guessing at the same decision points, not a separate style.
 
@@ -388,33 +391,38 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
 
 
 def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *,
-              progress: bool = True) -> dict:
+              progress: bool = True, redraws: Sequence[Sequence[Trajectory]] = ()) -> dict:
     """Fine-tune `model` in place on the demonstrations' action tokens; returns the history.
 
-    Deterministic given `cfg.seed` (torch's seed and the data order), on one device.
+    `redraws`: more demonstration sets of the same questions (kinds drawn again); epoch e
+    trains on set e mod (1 + len(redraws)), `demos` first. Deterministic given `cfg.seed`
+    (torch's seed and the data order), on one device.
     """
     from a2tgpo.progress import progress_bar
 
-    kept = [t for t in demos if len(t.prompt_ids) + t.response_length() <= cfg.max_seq_len]
-    skipped = len(demos) - len(kept)
+    sets, skipped = [], 0
+    for demo_set in (demos, *redraws):
+        fits = [t for t in demo_set if len(t.prompt_ids) + t.response_length() <= cfg.max_seq_len]
+        skipped += len(demo_set) - len(fits)
+        if not fits:
+            raise ValueError(f"no demonstration fits max_seq_len {cfg.max_seq_len}")
+        sets.append(fits)
     if skipped:
         log.warning("sft: %d of %d demonstrations are longer than max_seq_len %d and are left "
-                    "out", skipped, len(demos), cfg.max_seq_len)
-    if not kept:
-        raise ValueError(f"no demonstration fits max_seq_len {cfg.max_seq_len}")
+                    "out", skipped, sum(map(len, (demos, *redraws))), cfg.max_seq_len)
     torch.manual_seed(cfg.seed)
     order_rng = random.Random(cfg.seed)
-    lengths = [len(t.prompt_ids) + t.response_length() for t in kept]
-    steps_per_epoch = math.ceil(len(kept) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
+    epoch_sets = [sets[e % len(sets)] for e in range(cfg.epochs)]
+    total = sum(math.ceil(len(kept) / cfg.batch_size) for kept in epoch_sets)
     warmup = max(1, round(cfg.warmup_ratio * total))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
     model.train()
     history = []
     bar = progress_bar(total=total, desc="sft", unit="step", disable=not progress)
-    for epoch in range(cfg.epochs):
+    for epoch, kept in enumerate(epoch_sets):
         start, ep_loss, ep_actions, ep_tokens = time.perf_counter(), 0.0, 0, 0
+        lengths = [len(t.prompt_ids) + t.response_length() for t in kept]
         for rows in length_batches(lengths, cfg.batch_size, order_rng):
             batch = collate([kept[i] for i in rows], pad_id)
             loss_sum, n = action_token_loss(model, batch)
@@ -440,7 +448,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SftConfig, pad_id: int, *
         (bar.write if progress else log.info)(line)
     bar.close()
     model.eval()
-    return {"sequences": len(kept), "skipped_too_long": skipped, "steps": total,
+    return {"sequences": len(sets[0]), "skipped_too_long": skipped, "steps": total,
             "final_loss": history[-1]["loss"], "epochs": history}
 
 
@@ -487,9 +495,11 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
     retriever = build_retriever(retrieval or RetrievalConfig(), corpus, index)
     try:
         tool = SearchTool(retriever, tok, agent)
-        demos = write_demonstrations(questions, tool, agent,
-                                     imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed,
-                                     early_answer_fraction=cfg.early_answer_fraction)
+        demos, *redraws = [
+            write_demonstrations(questions, tool, agent,
+                                 imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed + d,
+                                 early_answer_fraction=cfg.early_answer_fraction)
+            for d in range(cfg.kind_draws)]
     finally:
         retriever.close()
     stats = demo_stats(demos)
@@ -500,7 +510,7 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(backbone, device)
-    history = train_sft(model, demos, cfg, tok.pad_token_id)
+    history = train_sft(model, demos, cfg, tok.pad_token_id, redraws=redraws)
     summary = {
         "config": to_dict(cfg),
         "backbone": str(backbone_dir),

@@ -244,6 +244,24 @@ def test_same_seed_same_weights_and_long_demos_left_out(demos, toy, tokenizer):
     assert h["skipped_too_long"] == 2 and h["sequences"] == 2
 
 
+def test_epochs_cycle_through_the_redrawn_demonstration_sets(demos, toy, tokenizer):
+    cfg = SftConfig(epochs=3, batch_size=2, seed=5)
+
+    def run(redraws):
+        model = fresh_model(toy)
+        h = train_sft(model, demos[:4], cfg, tokenizer.pad_token_id, progress=False,
+                      redraws=redraws)
+        return model.state_dict(), h
+
+    # epochs train on sets 0, 1, 0: 4, 2 and 4 sequences in batches of 2
+    _, h = run([demos[4:6]])
+    assert h["steps"] == 2 + 1 + 2 and [e["epoch"] for e in h["epochs"]] == [1, 2, 3]
+    # a redraw equal to the first set trains exactly as no redraw; another set does not
+    (a, _), (b, _), (c, _) = run([]), run([demos[:4]]), run([demos[4:8]])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
 def test_length_batches_cover_each_sequence_once_per_epoch():
     lengths = [(i * 37) % 800 for i in range(50)]
     a = length_batches(lengths, 4, random.Random(1), pool=4)
