@@ -252,7 +252,8 @@ def assign_kinds(questions: Sequence[OracleQuestion], imperfect_fraction: float,
 
 def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, cfg: AgentConfig,
                          *, imperfect_fraction: float, seed: int,
-                         early_answer_fraction: float = 0.0, chat_kwargs: dict | None = None) -> list[Trajectory]:
+                         early_answer_fraction: float = 0.0,
+                         chat_kwargs: dict | None = None) -> list[Trajectory]:
     """One oracle trajectory per question, built turn by turn with `TrajectoryBuilder`.
 
     All oracles advance in waves with one batched search per wave, as the rollout does. Action
