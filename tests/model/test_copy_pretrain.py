@@ -11,6 +11,7 @@ from a2tgpo.model.copy_pretrain import (
     copy_batch,
     copy_loss,
     copy_pretrain,
+    heldout_accuracy,
     lr_factor,
     token_pool,
 )
@@ -84,7 +85,8 @@ def small_model(tok):
 
 
 def test_pretraining_is_deterministic_and_off_at_zero_steps(toy_tokenizer):
-    cfg = CopyPretrainConfig(steps=6, batch_size=4, min_length=4, max_length=8, warmup_steps=2)
+    cfg = CopyPretrainConfig(steps=6, batch_size=4, min_length=4, max_length=8, warmup_steps=2,
+                             min_accuracy=0.0)
     a, b = small_model(toy_tokenizer), small_model(toy_tokenizer)
     start = {k: v.clone() for k, v in a.state_dict().items()}
     ha, hb = copy_pretrain(a, toy_tokenizer, cfg), copy_pretrain(b, toy_tokenizer, cfg)
@@ -101,3 +103,38 @@ def test_pretraining_is_deterministic_and_off_at_zero_steps(toy_tokenizer):
 def test_lengths_are_checked():
     with pytest.raises(ValueError, match="min_length"):
         CopyPretrainConfig(min_length=9, max_length=8)
+
+
+def test_heldout_accuracy_is_one_for_an_induction_model_and_its_draws_are_fresh(
+        monkeypatch):
+    cfg = CopyPretrainConfig(batch_size=2, min_length=4, max_length=6, eval_batches=3)
+    # a pool of 4,997 ids: no id repeats inside a drawn sequence (with 37 ids one does, and
+    # the induction rule then follows the wrong earlier occurrence: 0.84)
+    pool = torch.arange(3, 5000)
+    assert heldout_accuracy(Induction(vocab=5000), pool, cfg) == 1.0
+    # the held-out sequences are not the training's: training draws from Generator(seed)
+    seen = []
+    real = copy_batch
+
+    def spy(pool_V, batch_size, length, generator):
+        out = real(pool_V, batch_size, length, generator)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr("a2tgpo.model.copy_pretrain.copy_batch", spy)
+    heldout_accuracy(Induction(vocab=5000), pool, cfg)
+    assert [b.shape[1] for b in seen] == [8, 10, 12]  # lengths 4, 5, 6, each repeated
+    train_first = copy_batch(pool, 2, 4, torch.Generator().manual_seed(cfg.seed))
+    assert not torch.equal(seen[0], train_first)
+
+
+def test_a_model_that_did_not_learn_to_copy_fails_the_stage(toy_tokenizer):
+    # 2 updates cannot teach induction: held-out accuracy stays near chance (1/|pool|)
+    cfg = CopyPretrainConfig(steps=2, batch_size=2, min_length=4, max_length=6, warmup_steps=1,
+                             min_accuracy=0.5)
+    with pytest.raises(RuntimeError, match="toy_backbone.copy.min_accuracy 0.5"):
+        copy_pretrain(small_model(toy_tokenizer), toy_tokenizer, cfg)
+    ok = copy_pretrain(small_model(toy_tokenizer), toy_tokenizer,
+                       CopyPretrainConfig(steps=2, batch_size=2, min_length=4, max_length=6,
+                                          warmup_steps=1, min_accuracy=0.0))
+    assert 0.0 <= ok["heldout_accuracy"] < 0.5

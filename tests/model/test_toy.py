@@ -97,7 +97,8 @@ def test_copy_pretraining_runs_when_asked_and_is_recorded(backbone_dir, tmp_path
     from a2tgpo.model.copy_pretrain import CopyPretrainConfig
 
     world = backbone_dir[0].parent / "world"
-    cfg = ToyBackboneConfig(copy=CopyPretrainConfig(steps=2, batch_size=2, warmup_steps=1))
+    cfg = ToyBackboneConfig(copy=CopyPretrainConfig(steps=2, batch_size=2, warmup_steps=1,
+                                                    min_accuracy=0.0))
     summary = write_toy_backbone(cfg, world, tmp_path / "b")
     assert [h["step"] for h in summary["copy_pretraining"]["history"]] == [1, 2]
     assert backbone_dir[1]["copy_pretraining"] == {"steps": 0, "history": []}  # the default
