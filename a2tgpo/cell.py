@@ -2,6 +2,7 @@
 
     backbone~qwen3-4b/method~a2tgpo/beta~0.3/seed~1
     backbone~qwen3-4b/data~multi_hop/method~a2tgpo/beta~0.3/seed~1   (studies with tracks)
+    backbone~toy/regime~bench/method~a2tgpo/beta~0.3/seed~1   (a set trained under a regime)
 
 so a results folder explains itself and `snakemake <cell>/eval/summary.json` reruns exactly one
 cell. Betas are written with Python's shortest round-trip float repr (0.3, never
@@ -25,14 +26,16 @@ from a2tgpo.config import format_value
 
 SUMMARY = Path("eval") / "summary.json"
 
-# wildcard regex for Snakemake; the data~ component appears only in studies with tracks
-CELL_PATTERN = (r"backbone~[A-Za-z0-9_.\-]+(/data~[a-z0-9_]+)?/method~[a-z0-9_]+"
-                r"/beta~[0-9.e+\-]+/seed~[0-9]+")
-_CELL = (r"backbone~(?P<backbone>[A-Za-z0-9_.\-]+)(/data~(?P<data>[a-z0-9_]+))?"
+# wildcard regex for Snakemake; the regime~ component appears only in cells of a set trained
+# under a named regime (train.regimes), the data~ component only in studies with tracks
+CELL_PATTERN = (r"backbone~[A-Za-z0-9_.\-]+(/regime~[a-z0-9_]+)?(/data~[a-z0-9_]+)?"
+                r"/method~[a-z0-9_]+/beta~[0-9.e+\-]+/seed~[0-9]+")
+_CELL = (r"backbone~(?P<backbone>[A-Za-z0-9_.\-]+)(/regime~(?P<regime>[a-z0-9_]+))?"
+         r"(/data~(?P<data>[a-z0-9_]+))?"
          r"/method~(?P<method>[a-z0-9_]+)/beta~(?P<beta>[0-9.e+\-]+)/seed~(?P<seed>[0-9]+)")
 _CELL_RE = re.compile(f"^{_CELL}$")
 _DIR_RE = re.compile(f"(^|/){_CELL}$")  # a folder whose last components are a cell path
-_LAYOUT = "backbone~<b>[/data~<track>]/method~<m>/beta~<β>/seed~<n>"
+_LAYOUT = "backbone~<b>[/regime~<r>][/data~<track>]/method~<m>/beta~<β>/seed~<n>"
 
 
 class ReportInputError(ValueError):
@@ -49,30 +52,37 @@ def normalize_beta(x: float) -> float:
 class Cell:
     """One grid point. `data` names the training track (e.g. multi_hop: trained on HotpotQA,
     tested on the multi-hop sets, as the papers train one model per track); "" = the study's
-    single implicit track, and then the path has no data~ component. `run_dir` is the folder a
-    cell was read from (`from_dir`; None for a cell the grid made): its files are read there."""
+    single implicit track, and then the path has no data~ component. `regime` names the
+    study's training regime (train.regimes: overrides, e.g. a longer schedule) the cell runs
+    under; "" = the study's own train section, and no regime~ component. `run_dir` is the
+    folder a cell was read from (`from_dir`; None for a cell the grid made): its files are read
+    there."""
 
     backbone: str
     method: str
     beta: float
     seed: int
     data: str = ""
+    regime: str = ""
     run_dir: Path | None = field(default=None, compare=False, repr=False)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def path(self) -> str:
+        regime = f"/regime~{self.regime}" if self.regime else ""
         track = f"/data~{self.data}" if self.data else ""
-        return (f"backbone~{self.backbone}{track}/method~{self.method}"
+        return (f"backbone~{self.backbone}{regime}{track}/method~{self.method}"
                 f"/beta~{format_value(self.beta)}/seed~{self.seed}")
 
     @property
     def display_name(self) -> str:
         """A short readable name, method first (MLflow run names; the path stays a tag):
-        "a2tgpo β=0.3 seed 1 · toy", with " · <track>" for a data track."""
+        "a2tgpo β=0.3 seed 1 · toy", with " · <track>" for a data track and " · <regime>" for
+        a regime."""
         track = f" · {self.data}" if self.data else ""
+        regime = f" · {self.regime}" if self.regime else ""
         return (f"{self.method} β={format_value(self.beta)} seed {self.seed} · "
-                f"{self.backbone}{track}")
+                f"{self.backbone}{track}{regime}")
 
     @classmethod
     def parse(cls, path: str) -> Cell:
@@ -105,7 +115,8 @@ class Cell:
             beta = float(m["beta"])
         except ValueError:
             raise ValueError(f"{where}: beta~{m['beta']} is not a number") from None
-        return cls(m["backbone"], m["method"], beta, int(m["seed"]), m["data"] or "", run_dir)
+        return cls(m["backbone"], m["method"], beta, int(m["seed"]), m["data"] or "",
+                   m["regime"] or "", run_dir)
 
     # ---- the cell's files (the report) -----------------------------------------------------
 

@@ -366,7 +366,7 @@ def cmd_rerun(args) -> int:
 
     study = load_study(args.configfile, args.overrides)
     betas = validate_grid(study.grid, study.backbones, study.methods_dir, args.configfile,
-                          study.track_names)
+                          study.track_names, tuple(study.train.regimes))
     by_set = {name: cells_of(study.grid, name, study.backbones, betas, study.track_names)
               for name in study.grid.sets}
     every = [c for cells in by_set.values() for c in cells]
@@ -385,7 +385,8 @@ def cmd_rerun(args) -> int:
                                                                                  "plots"]
     else:
         name = next(n for n, cells in by_set.items() if cell in cells)
-        targets, refresh = [f"{root}/tables/{name}/main.md"], ["set_tables"]
+        targets = [f"{root}/tables/{name}/main.md", f"{root}/set_plots/{name}"]
+        refresh = ["set_tables", "set_plots"]
     # forced explicitly: Snakemake does not rerun an existing target whose input was removed
     cmd = [sys.executable, "-m", "snakemake", *targets, "--configfile", args.configfile,
            "--forcerun", f"{root}/runs/{cell.path}/summary.json", *refresh]

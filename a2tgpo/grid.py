@@ -49,6 +49,10 @@ class CellSet:
                                           "\"qwen3-4b:tree_grpo\").")
     only: tuple[str, ...] = option((), "\"backbone:method\" pairs: if given, a method listed "
                                        "here runs only on the backbones listed for it.")
+    regime: str = option(
+        "", "A training regime of the study (a key of train.regimes, e.g. a longer schedule) "
+        "the set's cells run under, in runs/backbone~B/regime~R/...; their tables cover these "
+        "cells only. Empty = the study's train section as it is.")
 
     def __post_init__(self) -> None:
         if not self.methods or not self.seeds:
@@ -94,6 +98,11 @@ class TrainSection(TrainSettings):
         doc="Per-method dotted overrides (after `overrides`); keys are method ids or shell "
         "patterns (\"at2po*\"), applied in the order written, e.g. "
         "{tree_grpo: [\"method.rollout.tree_m=2\"]}.", factory=dict)
+    regimes: dict[str, tuple[str, ...]] = option(
+        doc="Named training regimes: dotted overrides (after `method_overrides`) a grid set "
+        "trains its cells under (grid.sets.<set>.regime), e.g. {bench: "
+        "[\"schedule.steps=40\"]}; such cells live under runs/backbone~B/regime~<name>/, "
+        "apart from the same coordinates trained without it.", factory=dict)
     selection: Literal["dev_em", "test_avg"] = option(
         "dev_em", "Checkpoint selection: dev EM (default) or the papers' best test average "
         "(labelled so in the tables).")
@@ -148,17 +157,21 @@ def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],
             for track in tracks:
                 for beta in betas:
                     for seed in s.seeds:
-                        out.append(Cell(b, m, beta, seed, track))
+                        out.append(Cell(b, m, beta, seed, track, s.regime))
     return out
 
 
 def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_dir: str,
-                  source: str, study_tracks: tuple[str, ...] = ("",)) -> dict[str, float]:
-    """Check every id the grid names, and that a set with betas lists only methods that read β;
-    returns method id -> its own beta."""
+                  source: str, study_tracks: tuple[str, ...] = ("",),
+                  regimes: tuple[str, ...] = ()) -> dict[str, float]:
+    """Check every id the grid names (`regimes`: the study's train.regimes), and that a set
+    with betas lists only methods that read β; returns method id -> its own beta."""
 
     out: dict[str, float] = {}
     for name, s in grid.sets.items():
+        if s.regime and s.regime not in regimes:
+            raise ConfigError(f"{source}: grid.sets.{name}.regime: {s.regime!r} is not one of "
+                              f"train.regimes ({', '.join(regimes) or 'none defined'})")
         for i, t in enumerate(s.tracks):
             if t not in study_tracks:
                 raise ConfigError(f"{source}: grid.sets.{name}.tracks[{i}]: {t!r} is not one "
@@ -217,6 +230,11 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
     layers += [(f"train.method_overrides.{key}", ov)
                for key, ov in train.method_overrides.items()
                if fnmatch.fnmatchcase(cell.method, key)]
+    if cell.regime:
+        if cell.regime not in train.regimes:
+            raise ConfigError(f"cell {cell.path}: regime {cell.regime!r} is not one of "
+                              f"train.regimes ({', '.join(train.regimes) or 'none defined'})")
+        layers.append((f"train.regimes.{cell.regime}", train.regimes[cell.regime]))
     for label, overrides in layers:
         if overrides:
             try:
@@ -247,13 +265,16 @@ def cell_config(cell: Cell, *, study: str, results_root: str, backbone, train: T
 
 
 def match_cells(cells: list[Cell], selectors: list[str]) -> list[Cell]:
-    """The cells whose coordinates equal every `key=value` selector (backbone, data, method,
-    beta, seed); betas compare as numbers, so beta=0.30 selects beta~0.3."""
-    wanted: dict[str, str] = {}
+    """The cells whose coordinates equal every `key=value` selector (backbone, regime, data,
+    method, beta, seed); betas compare as numbers, so beta=0.30 selects beta~0.3. Without a
+    regime= selector only cells trained without a regime match (their paths have no
+    regime~): `method=grpo seed=1` names the main table's cell, not its bench twin."""
+    wanted: dict[str, str] = {"regime": ""}
     for text in selectors:
         key, sep, value = text.partition("=")
-        if not sep or key not in ("backbone", "data", "method", "beta", "seed"):
-            raise ValueError(f"expected backbone=, data=, method=, beta= or seed=, got {text!r}")
+        if not sep or key not in ("backbone", "regime", "data", "method", "beta", "seed"):
+            raise ValueError(f"expected backbone=, regime=, data=, method=, beta= or seed=, "
+                             f"got {text!r}")
         wanted[key] = value
 
     def ok(c: Cell) -> bool:

@@ -204,6 +204,10 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
             raise ConfigError(f"{path}: id: {cfg.id!r} does not match the file name {b!r}")
     train_names = {s.name for s in study.data.train}
     test_names = {s.name for s in study.data.test}
+    for name in study.train.regimes:
+        if not re.fullmatch(r"[a-z0-9_]+", name):  # a path component of its cells
+            raise ConfigError(f"{source}: train.regimes.{name}: use lowercase letters, digits "
+                              "and _")
     for name, track in study.tracks.items():
         if not re.fullmatch(r"[a-z0-9_]+", name):
             raise ConfigError(f"{source}: tracks.{name}: use lowercase letters, digits and _")
@@ -215,7 +219,8 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
                 if n not in known:
                     raise ConfigError(f"{source}: tracks.{name}.{key}[{i}]: no data.{key} "
                                       f"source named {n!r} ({', '.join(sorted(known))})")
-    validate_grid(study.grid, study.backbones, study.methods_dir, source, study.track_names)
+    validate_grid(study.grid, study.backbones, study.methods_dir, source, study.track_names,
+                  tuple(study.train.regimes))
     train, gpus = study.train, study.eval.gpus
     need = train.rollout_tp if train.engine == "vllm" else 1
     if train.device != "cpu" and gpus and gpus != need:
@@ -317,7 +322,7 @@ def cache_env(study: StudyConfig) -> dict[str, str]:
 def study_cells(study: StudyConfig) -> dict[str, list[Cell]]:
     """The cells of every grid set, by set name, in a stable order."""
     betas = validate_grid(study.grid, study.backbones, study.methods_dir, "config",
-                          study.track_names)
+                          study.track_names, tuple(study.train.regimes))
     return {name: cells_of(study.grid, name, study.backbones, betas, study.track_names)
             for name in study.grid.sets}
 

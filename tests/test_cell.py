@@ -29,6 +29,18 @@ def test_track_component_round_trips():
     assert Cell.parse(cell.path) == cell
 
 
+def test_regime_component_round_trips():
+    # a regime sits between backbone and track, so the same coordinates trained under another
+    # regime get another folder
+    cell = Cell("toy", "grpo", 0.0, 1, "multi_hop", "bench")
+    assert cell.path == "backbone~toy/regime~bench/data~multi_hop/method~grpo/beta~0/seed~1"
+    assert Cell.parse(cell.path) == cell
+    plain = Cell("toy", "grpo", 0.0, 1)
+    assert Cell.parse("backbone~toy/regime~bench/method~grpo/beta~0/seed~1") != plain
+    assert Cell.from_dir(f"results/toy/runs/{cell.path}") == cell
+    assert cell.display_name == "grpo β=0 seed 1 · toy · multi_hop · bench"
+
+
 def test_display_name_puts_method_beta_and_seed_first():
     # MLflow's runs table cuts long names: what tells runs apart must come first
     assert Cell("toy", "a2tgpo", 0.3, 1).display_name == "a2tgpo β=0.3 seed 1 · toy"

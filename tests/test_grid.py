@@ -7,7 +7,15 @@ import pytest
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.cell import Cell
 from a2tgpo.config import ConfigError, from_dict
-from a2tgpo.grid import CellSet, GridConfig, TrainSection, cell_config, cells_of, validate_grid
+from a2tgpo.grid import (
+    CellSet,
+    GridConfig,
+    TrainSection,
+    cell_config,
+    cells_of,
+    match_cells,
+    validate_grid,
+)
 from a2tgpo.model.backbone import BackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.tracking import TrackingConfig
@@ -144,6 +152,43 @@ def test_cell_config_errors_name_the_cell_and_key():
     sneaky = from_dict(TrainSection, {"overrides": ["method.advantage.beta=0.2"]})
     with pytest.raises(ConfigError, match="set betas in grid.sets"):
         _resolve(Cell("toy", "a2tgpo", 0.3, 1), sneaky)
+
+
+def test_a_regime_set_gets_its_own_cells_and_overrides():
+    grid = GridConfig(sets={"main": CellSet(methods=("grpo",)),
+                            "bench": CellSet(methods=("grpo",), seeds=(1, 2), regime="long")})
+    train = from_dict(TrainSection, {
+        "schedule": {"steps": 8, "prompts_per_step": 4},
+        "overrides": ["method.rollout.n=4"],
+        "method_overrides": {"grpo": ["schedule.prompts_per_step=8"]},
+        "regimes": {"long": ["schedule.steps=40", "method.rollout.n=8"]}})
+    own = validate_grid(grid, ("toy",), "config/methods", "s.yaml", regimes=("long",))
+    main, bench = (cells_of(grid, n, ("toy",), own) for n in ("main", "bench"))
+    assert [c.path for c in bench] == ["backbone~toy/regime~long/method~grpo/beta~0/seed~1",
+                                       "backbone~toy/regime~long/method~grpo/beta~0/seed~2"]
+    assert not set(main) & set(bench)  # seed 1 of both sets: two runs, two folders
+    plain, long = _resolve(main[0], train), _resolve(bench[0], train)
+    assert (plain.schedule.steps, plain.method.rollout.n) == (8, 4)
+    # the regime comes after the method overrides, which still apply where it is silent
+    assert (long.schedule.steps, long.method.rollout.n, long.schedule.prompts_per_step) \
+        == (40, 8, 8)
+    assert long.run_dir == "res/s/runs/backbone~toy/regime~long/method~grpo/beta~0/seed~1"
+    with pytest.raises(ConfigError, match=r"^s.yaml: grid.sets.bench.regime: 'long' is not one "
+                       r"of train.regimes \(none defined\)$"):
+        validate_grid(grid, ("toy",), "config/methods", "s.yaml")
+    bad = from_dict(TrainSection, {"regimes": {"long": ["schedule.stepz=40"]}})
+    with pytest.raises(ConfigError, match=r"cell backbone~toy/regime~long/.*schedule.stepz"):
+        _resolve(bench[0], bad)
+
+
+def test_rerun_selectors_name_the_plain_cell_unless_a_regime_is_given():
+    cells = [Cell("toy", "grpo", 0.0, 1), Cell("toy", "grpo", 0.0, 1, regime="bench"),
+             Cell("toy", "grpo", 0.0, 2, regime="bench")]
+    assert match_cells(cells, ["method=grpo", "seed=1"]) == [cells[0]]
+    assert match_cells(cells, ["regime=bench", "seed=1"]) == [cells[1]]
+    assert match_cells(cells, ["regime=bench"]) == cells[1:]
+    with pytest.raises(ValueError, match="expected backbone=, regime="):
+        match_cells(cells, ["regim=bench"])
 
 
 def test_papers_selection_keeps_every_checkpoint():

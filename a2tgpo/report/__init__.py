@@ -193,7 +193,8 @@ def load_report_config(config: str | Path | None, section: str | None = None) ->
 def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
     """The cells to report on: the explicit list (cell directories, or files inside a cell
     such as its eval/summary.json, as a Snakemake rule passes them), else every
-    `backbone~*/method~*/beta~*/seed~*` directory under `runs`. Sorted by wildcards."""
+    `backbone~*/method~*/beta~*/seed~*` directory under `runs` (with optional regime~ and
+    data~ components). All of one training regime (Cell.regime). Sorted by wildcards."""
     found: dict[Path, Cell] = {}
     if cells:
         for given in cells:
@@ -208,12 +209,20 @@ def discover_cells(runs: str | Path | None = None, cells=None) -> list[Cell]:
         if not runs.is_dir():
             raise FileNotFoundError(f"{runs}: runs directory not found")
         for pattern in ("backbone~*/method~*/beta~*/seed~*",
-                        "backbone~*/data~*/method~*/beta~*/seed~*"):
+                        "backbone~*/data~*/method~*/beta~*/seed~*",
+                        "backbone~*/regime~*/method~*/beta~*/seed~*",
+                        "backbone~*/regime~*/data~*/method~*/beta~*/seed~*"):
             for p in sorted(runs.glob(pattern)):
                 if p.is_dir():
                     found[p] = Cell.from_dir(p)
     else:
         raise ValueError("give a runs directory or a list of cells")
+    regimes = sorted({c.regime for c in found.values()})
+    if len(regimes) > 1:
+        # a row is (backbone, method, beta, seed): runs of two regimes would share it
+        names = ", ".join(r or "(none)" for r in regimes)
+        raise ReportInputError(f"cells of several training regimes ({names}) in one report; "
+                               "report each regime on its own (pass its cells with --cells)")
     return sorted(found.values())
 
 

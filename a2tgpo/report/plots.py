@@ -24,6 +24,12 @@ data. Kinds:
   (A2TGPO App. C.1, Figure 7).
 - `beta`: the β method's group averages (test set, `report.metric` ×100) against β, with the
   reference methods as horizontal lines (A2TGPO Figure 9).
+- `clip_by_turn`: the β method's clip fraction at each turn position in the updates after
+  each step's first (`clip/later/by_turn/k`; the first is on-policy and never clips), one bar
+  per β: where it is 0, β cannot change the run.
+
+`advantage_by_turn` and `clip_by_turn` print their numbers under the panels and in the
+index's `note`.
 
 Every legend sits to the right of the axes, outside the data area, so it hides no line or bar
 (saved with bbox_inches="tight", which widens the image to hold it).
@@ -61,7 +67,8 @@ log = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 PLOT_KINDS = ("dev_em", "reward", "entropy", "outcomes", "advantage_by_turn",
-              "advantage_over_steps", "tool_calls", "jaccard", "time_per_stage", "beta")
+              "advantage_over_steps", "tool_calls", "jaccard", "time_per_stage", "beta",
+              "clip_by_turn")
 CURVES = {"dev_em": ("val/em", 100.0, "dev EM (%)"),
           "reward": ("train/reward", 1.0, "training reward (batch mean)"),
           "entropy": ("rollout/entropy", 1.0, "policy entropy of generated tokens")}
@@ -227,14 +234,22 @@ class _Writer:
         self.written: list[dict] = []
         self.skipped: list[dict] = []
 
-    def save(self, fig, backbone: str, kind: str) -> None:
+    def save(self, fig, backbone: str, kind: str, note: str | None = None) -> None:
+        """`note`: the plot's numbers in words, printed under the panels and kept in the index
+        (the caption file explains the kind; the note says what this run's data shows)."""
         plt = _pyplot()
         path = self.out_dir / backbone / f"{kind}.png"
+        if note:
+            fig.text(0.0, 0.0, note, ha="left", va="top", fontsize=8, wrap=True,
+                     transform=fig.transFigure)
         with atomic_path(path) as tmp:
             fig.savefig(tmp, dpi=self.cfg.dpi, bbox_inches="tight", format="png")
         plt.close(fig)
-        self.written.append({"file": f"{backbone}/{kind}.png", "kind": kind,
-                             "backbone": backbone, "caption": f"plot_{kind}.rst"})
+        entry = {"file": f"{backbone}/{kind}.png", "kind": kind, "backbone": backbone,
+                 "caption": f"plot_{kind}.rst"}
+        if note:
+            entry["note"] = note
+        self.written.append(entry)
 
     def skip(self, backbone: str, kind: str, reason: str) -> None:
         log.info("plot %s [%s] skipped: %s", kind, backbone, reason)
@@ -414,7 +429,22 @@ def _advantage_by_turn(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) 
     axes[0][0].set_ylabel("advantage (all logged steps)")
     _legend_right(axes[0][-1], *axes[0][0].get_legend_handles_labels())
     fig.suptitle(f"Advantage by turn position [{cfg.backbone_label(backbone)}]")
-    w.save(fig, backbone, "advantage_by_turn")
+    w.save(fig, backbone, "advantage_by_turn", advantage_note(cfg, per_method))
+
+
+def advantage_note(cfg: ReportConfig, per_method) -> str:
+    """The plot's numbers: per method, the mean advantage at each turn position and the
+    position bias, last position's mean minus the first's (A2TGPO Figure 4: IGPO's grows with
+    the position, turn-group normalisation keeps it near 0)."""
+    parts = []
+    for m, stats in per_method.items():
+        ks = [k for k in sorted(stats) if stats[k]["mean"]]
+        means = [statistics.fmean(stats[k]["mean"]) for k in ks]
+        if not means:
+            continue
+        bias = f"; last − first {means[-1] - means[0]:+.2f}" if len(means) > 1 else ""
+        parts.append(f"{cfg.method_label(m)} " + " / ".join(f"{v:+.2f}" for v in means) + bias)
+    return "Mean advantage at turn positions 0, 1, ...: " + " | ".join(parts) + "."
 
 
 def _advantage_over_steps(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
@@ -652,6 +682,57 @@ def _beta(w: _Writer, backbone: str, grouped) -> None:
     w.save(fig, backbone, "beta")
 
 
+_CLIP_LATER_RE = re.compile(r"^clip/later/by_turn/(\d+)$")
+
+
+def clip_by_turn(cells: list[Cell]) -> dict[int, float]:
+    """{turn position: clip fraction of the later updates (`clip/later/by_turn/k`), mean over
+    the logged steps of each cell, then over the cells}; {} when none logged it."""
+    per_cell = []
+    for c in cells:
+        steps: dict[int, dict[int, float]] = defaultdict(dict)
+        for row in c.metrics() or []:
+            for key, v in row.items():
+                m = _CLIP_LATER_RE.match(key)
+                if m and v is not None and "step" in row:
+                    steps[int(m.group(1))][int(row["step"])] = float(v)
+        if steps:
+            per_cell.append({k: statistics.fmean(v.values()) for k, v in steps.items()})
+    turns = sorted({k for d in per_cell for k in d})
+    return {k: statistics.fmean(d[k] for d in per_cell if k in d) for k in turns}
+
+
+def _clip_by_turn(w: _Writer, backbone: str, grouped) -> None:
+    cfg = w.cfg
+    betas = grouped.get((backbone, cfg.beta_method), {})
+    fractions = {b: f for b, cs in sorted(betas.items()) if (f := clip_by_turn(cs))}
+    if not fractions:
+        return w.skip(backbone, "clip_by_turn", f"no {cfg.beta_method} cell logged "
+                      "clip/later/by_turn/* (a step needs at least two updates)")
+    plt = _pyplot()
+    turns = sorted({k for f in fractions.values() for k in f})
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(turns) * max(1, len(fractions)) / 2, 3.6),
+                           layout="constrained")
+    width = 0.8 / len(fractions)
+    cmap = plt.get_cmap("viridis")
+    for i, (b, f) in enumerate(fractions.items()):
+        xs = [k - 0.4 + width * (i + 0.5) for k in turns]
+        ax.bar(xs, [100.0 * f.get(k, np.nan) for k in turns], width=width,
+               color=cmap(i / max(1, len(fractions) - 1)), label=f"β = {format_value(b)}")
+    ax.set_xticks(turns)
+    ax.set_xlabel("turn position")
+    ax.set_ylabel("clipped tokens, later updates (%)")
+    ax.grid(alpha=0.3, axis="y")
+    _legend_right(ax)
+    fig.suptitle(f"Clip fraction by turn, {cfg.method_label(cfg.beta_method)} "
+                 f"[{cfg.backbone_label(backbone)}]")
+    note = "Clipped tokens (%) at turn positions 0, 1, ... in the updates after each step's " \
+        "first: " + " | ".join(f"β={format_value(b)} " + " / ".join(
+            f"{100.0 * f[k]:.2f}" if k in f else "–" for k in turns)
+            for b, f in fractions.items()) + "."
+    w.save(fig, backbone, "clip_by_turn", note)
+
+
 def write_plots(cfg: ReportConfig, cells: list[Cell], out_dir: str | Path) -> list[Path]:
     """Every plot the data allows, per backbone; returns the written PNG paths (and writes
     `<out_dir>/index.json`, which lists them and the plots skipped with the reason)."""
@@ -672,6 +753,7 @@ def write_plots(cfg: ReportConfig, cells: list[Cell], out_dir: str | Path) -> li
         _jaccard(w, b, jac)
         _time_per_stage(w, b, main)
         _beta(w, b, grouped)
+        _clip_by_turn(w, b, grouped)
     if not cells:
         log.info("no cells found: no plots")
     atomic_write_json(out_dir / "index.json", {"plots": w.written, "skipped": w.skipped})

@@ -48,12 +48,17 @@ class UpdateBatch:
 @dataclass
 class UpdateLog:
     """What the updates of one step report: per micro-batch loss terms (each already / world,
-    so the sum over ranks is the unsplit value), diagnostics, clip fractions by turn, and one
-    gradient norm per update."""
+    so the sum over ranks is the unsplit value), diagnostics, clip fractions by turn (over all
+    updates, and over the updates after the step's first), and one gradient norm per update.
+
+    The first update of a step is on-policy (π = π_old, every ratio 1), so nothing clips there
+    whatever the bounds; only the later ones show whether the clip, and hence β, acts."""
 
     terms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     diagnostics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     clip_by_turn: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    clip_later: list[float] = field(default_factory=list)
+    clip_by_turn_later: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     grad_norms: list[float] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -62,6 +67,10 @@ class UpdateLog:
         out = {f"loss/{k}": float(v[0] / updates) for k, v in self.terms.items()}
         out.update({f"loss/{k}": float(np.mean(v)) for k, v in self.diagnostics.items()})
         out.update({f"clip/by_turn/{k}": float(np.mean(v)) for k, v in self.clip_by_turn.items()})
+        if self.clip_later:
+            out["clip/later"] = float(np.mean(self.clip_later))
+        out.update({f"clip/later/by_turn/{k}": float(np.mean(v))
+                    for k, v in self.clip_by_turn_later.items()})
         out["optim/grad_norm"] = float(np.mean(self.grad_norms)) if self.grad_norms else 0.0
         return out
 
@@ -238,12 +247,14 @@ def update_mini_batch(backend, data: UpdateBatch, rows: list[int], loss: LossCon
                                               tokens=tokens, seqs=seqs, world=world,
                                               norm_length=norm_length, device=device)
         backend.backward(total)
-        _record(log, total, terms, diag, world, any_tokens=bool(mask.any()))
+        # updates made before this one: from the second on, π has moved away from π_old
+        _record(log, total, terms, diag, world, any_tokens=bool(mask.any()),
+                later=bool(log.grad_norms))
     return backend.step()
 
 
-def _record(log: UpdateLog, total, terms: dict, diag: dict, world: int, *, any_tokens: bool
-            ) -> None:
+def _record(log: UpdateLog, total, terms: dict, diag: dict, world: int, *, any_tokens: bool,
+            later: bool = False) -> None:
     # each term carries the factor `world`: / world makes the sum over ranks the unsplit value
     log.terms["total"].append(float(total.detach()) / world)
     for k, v in terms.items():
@@ -255,6 +266,10 @@ def _record(log: UpdateLog, total, terms: dict, diag: dict, world: int, *, any_t
             log.diagnostics[key].append(float(diag[key]))
     for k, v in diag.get("pg_clipfrac_by_turn", {}).items():
         log.clip_by_turn[int(k)].append(float(v))
+        if later:
+            log.clip_by_turn_later[int(k)].append(float(v))
+    if later and "pg_clipfrac" in diag:
+        log.clip_later.append(float(diag["pg_clipfrac"]))
 
 
 def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,

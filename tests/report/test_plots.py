@@ -37,7 +37,8 @@ def metrics(shift: float, steps: int = 4) -> list[dict]:
                "time/step": 4.0}
         for k in range(2):
             row.update({f"adv/turn{k}/mean": 0.1 * k - 0.05, f"adv/turn{k}/std": 0.5,
-                        f"adv/turn{k}/min": -1.0 - k, f"adv/turn{k}/max": 1.0 + k})
+                        f"adv/turn{k}/min": -1.0 - k, f"adv/turn{k}/max": 1.0 + k,
+                        f"clip/later/by_turn/{k}": 0.02 * (k + 1) + shift / 10})
         if s % 2 == 0:
             rows.append({"step": s, "val/em": 0.1 + 0.05 * s + shift, "val/f1": 0.3,
                          **outcomes(0.1 + 0.05 * s + shift)})
@@ -97,10 +98,10 @@ def figures(monkeypatch):
     drawn = {}
     save = _Writer.save
 
-    def keep(self, fig, backbone, kind):
+    def keep(self, fig, backbone, kind, note=None):
         fig.canvas.draw()
         drawn[kind] = fig
-        save(self, fig, backbone, kind)
+        save(self, fig, backbone, kind, note)
 
     monkeypatch.setattr(_Writer, "save", keep)
     return drawn
@@ -155,6 +156,24 @@ def test_every_plot_is_written_for_full_data(make_cell, tmp_path):
     index = json.loads((out / "index.json").read_text())
     assert index["skipped"] == []
     assert {e["kind"]: e["caption"] for e in index["plots"]}["jaccard"] == "plot_jaccard.rst"
+
+
+def test_advantage_and_clip_plots_print_their_numbers(make_cell, tmp_path):
+    write_plots(ReportConfig(), discover_cells(full_grid(make_cell)), tmp_path)
+    notes = {e["kind"]: e.get("note") for e in
+             json.loads((tmp_path / "index.json").read_text())["plots"]}
+    # adv/turn{k}/mean = 0.1 k − 0.05 at every step: −0.05, +0.05; last − first +0.10; IGPO
+    # from its one cell, GRPO from its two, A2TGPO from its β = 0.3 cells (the main table's)
+    assert notes["advantage_by_turn"] == (
+        "Mean advantage at turn positions 0, 1, ...: GRPO -0.05 / +0.05; last − first +0.10 | "
+        "IGPO -0.05 / +0.05; last − first +0.10 | A2TGPO -0.05 / +0.05; last − first +0.10.")
+    # clip/later/by_turn/k = 0.02 (k + 1) + shift / 10; A2TGPO β 0.3 has shifts 0.10 and 0.11:
+    # turn 0: 0.02 + 0.0105 = 3.05 %, turn 1: 0.04 + 0.0105 = 5.05 %; β 0.1 logged no metrics
+    assert notes["clip_by_turn"] == (
+        "Clipped tokens (%) at turn positions 0, 1, ... in the updates after each step's first: "
+        "β=0.3 3.05 / 5.05.")
+    assert all(notes[k] is None for k in notes if k not in ("advantage_by_turn",
+                                                           "clip_by_turn"))
 
 
 def test_outcome_bars_start_and_last_validation_mean_over_seeds(make_cell):

@@ -52,3 +52,20 @@ def test_a_dataset_in_two_tracks_is_an_error(tmp_path):
     _cell(runs, "single_hop", {"hotpotqa": (10, 0.1, "multi_hop")})
     with pytest.raises(ReportInputError, match="hotpotqa is also evaluated by another track"):
         merge_tracks(discover_cells(runs))
+
+
+def test_cells_of_two_regimes_do_not_share_a_report(tmp_path):
+    # runs/backbone~b/regime~long/... trained the same coordinates under other settings: one
+    # table row cannot stand for both
+    runs = tmp_path / "runs"
+    plain = _cell(runs, "multi_hop", {"hotpotqa": (10, 0.5, "multi_hop")})
+    long = runs / "backbone~b" / "regime~long" / plain.relative_to(runs / "backbone~b")
+    long.parent.mkdir(parents=True)
+    plain.rename(long)
+    (cell,) = discover_cells(runs)
+    assert (cell.regime, cell.data) == ("long", "multi_hop")
+    _cell(runs, "multi_hop", {"hotpotqa": (10, 0.4, "multi_hop")})
+    with pytest.raises(ReportInputError, match=r"several training regimes \(\(none\), long\)"):
+        discover_cells(runs)
+    # each regime on its own is fine
+    assert [c.regime for c in discover_cells(cells=[long])] == ["long"]

@@ -421,3 +421,34 @@ def test_a_non_finite_gradient_norm_skips_the_update():
     assert math.isnan(backend.step())
     assert torch.equal(w.weight, before) and w.weight.grad is None
     assert opt.state[w.weight]["step"] == 1
+
+
+def test_the_later_updates_of_a_step_report_their_own_clip_fraction():
+    """The first update of a step is on-policy (every ratio 1), so nothing clips there whatever
+    the bounds: only the updates after it show whether the clip, and hence β, acts."""
+    from a2tgpo.rollout.trajectory import collate
+
+    batch = collate(CHAINS, 0)  # questions q1 and q2: two mini-batches of one prompt each
+    rows = list(range(len(CHAINS)))
+    model = tiny_model()
+    with torch.no_grad():
+        old = update.batched_logprobs(model, batch, rows, 6, "cpu")  # π_old = π: on-policy
+    # A = +1 on every sampled token: the first update raises their probabilities, by enough at
+    # this learning rate that the second one meets ratios above 1 + ε (mean ratio 1.21 there)
+    data = update.UpdateBatch(batch, old, torch.ones_like(old) * batch.loss_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    log = update.update_policy(
+        SingleBackend(model, opt, 0.0), torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
+        data, METHODS["grpo"].loss,
+        ScheduleConfig(steps=1, prompts_per_step=2, mini_batch_prompts=1, micro_batch_size=6),
+        seed=0, norm_length=100)
+    m = log.metrics()
+    assert len(log.grad_norms) == 2 and 0 < m["clip/later"] < 1
+    # one micro-batch per update: the all-update mean is (0 + the second's) / 2
+    assert m["loss/pg_clipfrac"] == pytest.approx(m["clip/later"] / 2, rel=1e-6)
+    # by turn: a turn both questions have (0, 1) is 0 in the first update, and its later value
+    assert m["clip/later/by_turn/0"] > 0
+    for k in (0, 1):
+        first, second = log.clip_by_turn[k]
+        assert first == 0 and [second] == log.clip_by_turn_later[k]
+        assert m[f"clip/later/by_turn/{k}"] == second

@@ -238,7 +238,10 @@ def cell_outputs(cells):
 
 
 def set_cells(name):
-    """Cells a table of set `name` covers: the default sets' plus its own."""
+    """Cells a table of set `name` covers: the default sets' plus its own; only its own for a
+    set trained under a regime (grid.sets.<name>.regime), as its runs differ from theirs."""
+    if STUDY.grid.sets[name].regime:
+        return SET_CELLS[name]
     return list(dict.fromkeys(DEFAULT_CELLS + SET_CELLS[name]))
 
 

@@ -1,5 +1,6 @@
 # Tables and plots over the cells of the default sets (results/<study>/tables, plots), and for
-# each other set over the default cells plus its own (results/<study>/tables/<set>/, ...).
+# each other set over the default cells plus its own, or its own only for a set trained under a
+# regime (results/<study>/tables/<set>/, results/<study>/set_plots/<set>/).
 
 
 TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta", "paired"]
@@ -67,11 +68,27 @@ rule set_tables:
         "> {log} 2>&1"
 
 
+rule set_plots:
+    """Plots of one extra set (`snakemake <set>`), over the cells its tables cover."""
+    input:
+        cells=lambda wc: cell_outputs(set_cells(wc.set)),
+        cfg=f"{R}/configs/report.yaml",
+    output:
+        directory(f"{R}/set_plots/{{set}}"),
+    log:
+        f"{R}/logs/plots-{{set}}.log",
+    localrule: True
+    params:
+        cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
+    shell:
+        "a2tgpo plots --cells {params.cells} --config {input.cfg} --out {output} > {log} 2>&1"
+
+
 wildcard_constraints:
     set="|".join(sorted(STUDY.grid.sets)),
 
 
-# `snakemake <set>` runs one set's cells and writes its tables
+# `snakemake <set>` runs one set's cells and writes its tables and plots
 for _name in STUDY.grid.sets:
 
     rule:
@@ -79,3 +96,4 @@ for _name in STUDY.grid.sets:
             _name
         input:
             f"{R}/tables/{_name}/main.md",
+            f"{R}/set_plots/{_name}",
