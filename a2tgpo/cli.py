@@ -1084,7 +1084,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from a2tgpo.retrieval.http import RetrieverError
     from a2tgpo.retrieval.index import IndexMismatch
 
-    return (IndexMismatch, RetrieverError, FolderBusy, WriteFailed, DataFileError)
+    errors = (IndexMismatch, RetrieverError, FolderBusy, WriteFailed, DataFileError)
+    if "a2tgpo.model.copy_pretrain" in sys.modules:  # only toy-backbone builds raise it
+        errors += (sys.modules["a2tgpo.model.copy_pretrain"].CopyPretrainFailed,)
+    return errors
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -34,6 +34,11 @@ from a2tgpo.progress import progress_bar
 log = logging.getLogger(__name__)
 
 
+
+class CopyPretrainFailed(RuntimeError):
+    """The copy stage ended below `min_accuracy`: the model cannot copy, and a backbone built
+    on it would not read what it retrieves (the CLI prints the message, no traceback)."""
+
 @dataclass(frozen=True)
 class CopyPretrainConfig:
     """Synthetic copy pretraining (toy_backbone.copy); steps 0 = off."""
@@ -151,7 +156,7 @@ def copy_pretrain(model, tokenizer, cfg: CopyPretrainConfig) -> dict:
     log.info("copy pretraining: %d updates, held-out repeat accuracy %.3f, %.0f s", cfg.steps,
              accuracy, seconds)
     if accuracy < cfg.min_accuracy:
-        raise RuntimeError(
+        raise CopyPretrainFailed(
             f"copy pretraining reached held-out repeat accuracy {accuracy:.3f} after "
             f"{cfg.steps} updates, below toy_backbone.copy.min_accuracy {cfg.min_accuracy}: "
             "the model has not learned to copy; raise copy.steps or lower copy.lr")

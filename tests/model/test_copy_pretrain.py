@@ -8,6 +8,7 @@ import torch
 
 from a2tgpo.model.copy_pretrain import (
     CopyPretrainConfig,
+    CopyPretrainFailed,
     copy_batch,
     copy_loss,
     copy_pretrain,
@@ -132,7 +133,7 @@ def test_a_model_that_did_not_learn_to_copy_fails_the_stage(toy_tokenizer):
     # 2 updates cannot teach induction: held-out accuracy stays near chance (1/|pool|)
     cfg = CopyPretrainConfig(steps=2, batch_size=2, min_length=4, max_length=6, warmup_steps=1,
                              min_accuracy=0.5)
-    with pytest.raises(RuntimeError, match="toy_backbone.copy.min_accuracy 0.5"):
+    with pytest.raises(CopyPretrainFailed, match="toy_backbone.copy.min_accuracy 0.5"):
         copy_pretrain(small_model(toy_tokenizer), toy_tokenizer, cfg)
     ok = copy_pretrain(small_model(toy_tokenizer), toy_tokenizer,
                        CopyPretrainConfig(steps=2, batch_size=2, min_length=4, max_length=6,

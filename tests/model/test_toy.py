@@ -109,6 +109,20 @@ def test_copy_pretraining_runs_when_asked_and_is_recorded(backbone_dir, tmp_path
                            b.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_a_failed_copy_stage_is_a_clear_cli_error(backbone_dir, tmp_path, capsys):
+    from a2tgpo.cli import main
+
+    world = backbone_dir[0].parent / "world"
+    cfg = tmp_path / "tb.yaml"  # 2 updates cannot teach copying: accuracy stays below 0.9
+    cfg.write_text("copy: {steps: 2, batch_size: 2, warmup_steps: 1, min_accuracy: 0.9}\n")
+    rc = main(["toy-backbone", str(cfg), "--world", str(world), "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "a2tgpo toy-backbone: error: copy pretraining reached held-out repeat accuracy" in err
+    assert "toy_backbone.copy.min_accuracy 0.9" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()  # nothing half-written
+
+
 def test_model_config_validation():
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ToyBackboneConfig(num_attention_heads=4, num_key_value_heads=3)
