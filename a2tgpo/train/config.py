@@ -182,6 +182,11 @@ class SftConfig:
         0.0, "Share of multi-hop demonstrations that answer after the first hop (drawn before "
         "imperfect_fraction, which applies to the rest); above 0.5 the greedy starting policy "
         "stops early on multi-hop questions and RL has to learn the second search.", ge=0, le=1)
+    guess_fraction: float = option(
+        0.0, "Share of all demonstrations that answer without searching, with a name from the "
+        "question (drawn first, before early_answer_fraction and imperfect_fraction); above 0.5 "
+        "the greedy starting policy answers from memory instead of searching, as a base model "
+        "does, and RL has to learn to use the tool.", ge=0, le=1)
     kind_draws: int = option(
         1, "Independent draws of the demonstration kinds (seeds seed, seed+1, ...); epoch e "
         "trains on draw e mod kind_draws, so which question was imperfect cannot be memorised.",
@@ -204,6 +209,8 @@ class SftConfig:
             raise ValueError("imperfect_fraction must be in [0, 1]")
         if not 0.0 <= self.early_answer_fraction <= 1.0:
             raise ValueError("early_answer_fraction must be in [0, 1]")
+        if not 0.0 <= self.guess_fraction <= 1.0:
+            raise ValueError("guess_fraction must be in [0, 1]")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError("warmup_ratio must be in [0, 1)")
         if min(self.epochs, self.batch_size, self.max_seq_len, self.log_every,

@@ -26,6 +26,9 @@ the first hop, before `imperfect_fraction` is drawn from the rest. Above one hal
 greedy starting policy short-sighted on multi-hop questions (greedy decoding follows the
 majority of demonstrations at each decision), which RL then has to correct: searching again
 after the first observation is the turn-level decision the credit-assignment methods differ on.
+`guess_fraction` sets the share of all questions whose demonstration answers without searching
+(drawn first). Above one half the greedy starting policy answers from memory, as a base model
+does, and RL has to learn to call the tool: the first turn's decision.
 With `kind_draws` > 1 the kinds are drawn again for each of that many demonstration sets and
 the epochs cycle through them, so the warm start learns a share of imperfect behaviour per
 question type rather than which question was imperfect (the RL questions are the SFT's).
@@ -224,17 +227,24 @@ def oracle(q: OracleQuestion, kind: str, rng: random.Random) -> Generator[Step, 
 
 
 def assign_kinds(questions: Sequence[OracleQuestion], imperfect_fraction: float,
-                 seed: int, early_answer_fraction: float = 0.0) -> list[str]:
+                 seed: int, early_answer_fraction: float = 0.0,
+                 guess_fraction: float = 0.0) -> list[str]:
     """Each question's demonstration kind.
 
-    First exactly round(early_answer_fraction × m) of the m multi-hop questions (more than one
-    lookup) get `early_answer`; then exactly round(imperfect_fraction × r) of the r others get
-    an imperfect kind drawn uniformly, the rest `perfect`. With early_answer_fraction 0 the
-    draw is the one-fraction draw alone.
+    First exactly round(guess_fraction × N) of the N questions get `guess`; then exactly
+    round(early_answer_fraction × m) of the m multi-hop questions (more than one lookup) not
+    drawn yet get `early_answer`; then exactly round(imperfect_fraction × r) of the r others
+    get an imperfect kind drawn uniformly, the rest `perfect`. With both first fractions 0
+    the draw is the one-fraction draw alone.
     """
     kinds = ["perfect"] * len(questions)
+    if guess_fraction:
+        for i in random.Random(f"{seed}:guess").sample(range(len(questions)),
+                                                        round(guess_fraction * len(questions))):
+            kinds[i] = "guess"
     if early_answer_fraction:
-        multi = [i for i, q in enumerate(questions) if len(q.lookups) > 1]
+        multi = [i for i, q in enumerate(questions)
+                 if len(q.lookups) > 1 and kinds[i] == "perfect"]
         early = random.Random(f"{seed}:early").sample(multi,
                                                       round(early_answer_fraction * len(multi)))
         for i in early:
@@ -252,7 +262,7 @@ def assign_kinds(questions: Sequence[OracleQuestion], imperfect_fraction: float,
 
 def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, cfg: AgentConfig,
                          *, imperfect_fraction: float, seed: int,
-                         early_answer_fraction: float = 0.0,
+                         early_answer_fraction: float = 0.0, guess_fraction: float = 0.0,
                          chat_kwargs: dict | None = None) -> list[Trajectory]:
     """One oracle trajectory per question, built turn by turn with `TrajectoryBuilder`.
 
@@ -263,7 +273,8 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
     if cfg.prompt_style != "a2tgpo":
         raise ValueError("the oracle writes a2tgpo-style demonstrations; set prompt_style: a2tgpo")
     tok = tool.tokenizer
-    kinds = assign_kinds(questions, imperfect_fraction, seed, early_answer_fraction)
+    kinds = assign_kinds(questions, imperfect_fraction, seed, early_answer_fraction,
+                         guess_fraction)
     builders = [TrajectoryBuilder(prompt_ids(tok, q.question, cfg.prompt_style, chat_kwargs),
                                   question_id=q.id, group_id=q.id, golden_answers=q.golden_answers)
                 for q in questions]
@@ -499,7 +510,8 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
         demos, *redraws = [
             write_demonstrations(questions, tool, agent,
                                  imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed + d,
-                                 early_answer_fraction=cfg.early_answer_fraction)
+                                 early_answer_fraction=cfg.early_answer_fraction,
+                                 guess_fraction=cfg.guess_fraction)
             for d in range(cfg.kind_draws)]
     finally:
         retriever.close()

@@ -329,6 +329,28 @@ def test_early_answer_fraction_is_exact_and_multi_hop_only(questions):
     assert [i for i, k in enumerate(all_early) if k == "early_answer"] == multi
 
 
+def test_guess_fraction_is_exact_and_drawn_first(questions):
+    # the fixture world: 40 questions, 24 of them multi-hop
+    kinds = assign_kinds(questions, 0.5, 0, early_answer_fraction=0.5, guess_fraction=0.6)
+    guesses = [i for i, k in enumerate(kinds) if k == "guess"]
+    # round(0.6 × 40) = 24 guesses first; then round(0.5 × m) early answers of the m
+    # multi-hop questions left; then half of the rest imperfect (guess among the kinds again)
+    first = set(random.Random("0:guess").sample(range(40), 24))
+    assert first <= set(guesses)
+    multi_left = [i for i, q in enumerate(questions) if len(q.lookups) > 1 and i not in first]
+    early = [i for i in multi_left if kinds[i] == "early_answer"]
+    assert len(early) >= round(0.5 * len(multi_left))
+    # the guess demonstration answers at once, with a name from the question
+    demo = oracle(questions[0], "guess", random.Random(0))
+    text, query = next(demo)
+    assert query is None and "<answer>" in text and questions[0].lookups[0] in text
+    # 0 leaves the draw as it was
+    assert assign_kinds(questions, 0.25, 0, 0.5, 0.0) == assign_kinds(questions, 0.25, 0, 0.5)
+    assert assign_kinds(questions, 0.0, 0, guess_fraction=1.0) == ["guess"] * 40
+    with pytest.raises(ValueError, match="guess_fraction"):
+        SftConfig(guess_fraction=1.2)
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="imperfect_fraction"):
         SftConfig(imperfect_fraction=1.5)
