@@ -69,6 +69,17 @@ class InfoGainConfig:
     first_turn: Literal["question", "skip"] = option(
         "question", "question = first IG against the question alone (paper); skip = the first "
         "tool call only sets the baseline (released code).")
+    probe_template: str = option(
+        "\nNow there's enough information to answer\n</think>\n<answer>\n{gt}\n</answer>"
+        "<|im_end|>",
+        "Text appended after each turn to score the gold answer ({gt}); the papers' IGPO "
+        "template by default. It must be an answer the backbone would write: a model trained on "
+        "another answer format gives the gold answer a probability of about 0 after every turn, "
+        "and the information gain is then 0.")
+
+    def __post_init__(self) -> None:
+        if self.probe_template.count("{gt}") != 1:
+            raise ValueError("info_gain.probe_template must contain '{gt}' exactly once")
 
 
 @dataclass(frozen=True)

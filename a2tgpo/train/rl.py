@@ -527,7 +527,8 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
     with clock("info_gain+old_logprob"):
         values, lps, stats = score_gold_logprobs(
             backend.unwrapped, [(trajs[b].token_ids(), trajs[b].probe_points()) for b in mine],
-            [build_probe(run.tok, trajs[b].golden_answers[0]) for b in mine], method="kv",
+            [build_probe(run.tok, trajs[b].golden_answers[0],
+                         cfg.method.info_gain.probe_template) for b in mine], method="kv",
             batch_size=cfg.ig_batch_size, token_logprobs=True)
         gold: list = [None] * B
         ig_stats: dict[str, float] = defaultdict(float)
