@@ -87,6 +87,7 @@ from a2tgpo.train.distributed import (
     engine_placement,
     init_distributed,
     launcher_env,
+    shutdown_distributed,
 )
 from a2tgpo.train.preemption import (
     EXIT_PREEMPTED,
@@ -808,6 +809,9 @@ def _close(run: Run) -> None:
     if run.ref is not None:
         run.ref.close()
     run.backend.close()
+    # leave the process group before exiting: gloo's destructors, run at interpreter exit
+    # while another rank still holds the group, can abort the process (status 134)
+    shutdown_distributed()
 
 
 def _make_backend(cfg: TrainConfig, model, optimizer):
