@@ -356,12 +356,11 @@ def cmd_evaluate(args) -> int:
 
 def cmd_rerun(args) -> int:
     """Archive one cell's run, then let Snakemake retrain, re-evaluate it and refresh tables."""
-    import datetime
     import os
     import subprocess
     import sys
 
-    from a2tgpo.grid import archive_run, cells_of, match_cells, validate_grid
+    from a2tgpo.grid import archive_run, archive_stamp, cells_of, match_cells, validate_grid
     from a2tgpo.study import load_study
 
     study = load_study(args.configfile, args.overrides)
@@ -396,8 +395,7 @@ def cmd_rerun(args) -> int:
     if args.dry_run:
         print(f"would archive {root}/runs/{cell.path} and run: {' '.join(cmd)}")
         return 0
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    moved = archive_run(root, cell, stamp)
+    moved = archive_run(root, cell, archive_stamp())
     print(f"cell {cell.path}: " + (f"previous run moved to {moved}" if moved
                                    else "no previous run"))
     print("running: " + " ".join(cmd), flush=True)

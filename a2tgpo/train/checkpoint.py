@@ -13,7 +13,8 @@ a rerun finds its own progress under the run directory and continues from it:
                       newest `schedule.optimizer_states` checkpoints: older ones keep the
                       weights that selection needs
         meta.json     step, save time, file sizes and sha256 hashes, trainer state (readable
-                      without torch)
+                      without torch; the trainer's includes the config and inputs the run
+                      was trained from, a2tgpo/train/lineage.py)
         COMPLETE      written last; a directory without it is never used
 
 A resume verifies the newest checkpoint's files against their recorded sizes and hashes
@@ -156,14 +157,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _file_hashes(root: Path, names) -> dict[str, str]:
-    """sha256 of each file `root/name`, several files at once (hashlib releases the GIL on
-    large buffers: a checkpoint's shards hash in parallel)."""
+def sha256_files(paths) -> list[str]:
+    """sha256 of each file, several files at once (hashlib releases the GIL on large buffers:
+    a checkpoint's shards hash in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    paths = list(paths)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def _file_hashes(root: Path, names) -> dict[str, str]:
+    """sha256 of each file `root/name`."""
     names = list(names)
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: _sha256(root / n), names), strict=True))
+    return dict(zip(names, sha256_files(root / n for n in names), strict=True))
 
 
 def save_checkpoint(
@@ -450,9 +457,11 @@ class DataOrder:
                 "epoch": self.epoch, "position": self.position, "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a position; the data size, epochs and seed must match the saved ones."""
+        """Restore a position; the data size and seed must match the saved ones, and the
+        epochs may grow (a run extended to more steps: each epoch's permutation depends on the
+        seed and the epoch alone, so the earlier ones are unchanged)."""
         saved = (state["n_items"], state["epochs"], state["seed"])
-        if saved != (self.n_items, self.epochs, self.seed):
+        if (saved[0], saved[2]) != (self.n_items, self.seed) or saved[1] > self.epochs:
             raise ValueError(f"data order saved for (n_items, epochs, seed)={saved}, "
                              f"resumed with {(self.n_items, self.epochs, self.seed)}")
         self.epoch, self.position = state["epoch"], state["position"]

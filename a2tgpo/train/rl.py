@@ -53,6 +53,7 @@ from a2tgpo.algo.masks import gather_turns
 from a2tgpo.algo.methods import MethodConfig
 from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
 from a2tgpo.eval.select import best_step
+from a2tgpo.grid import archive_dir, archive_stamp
 from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import progress_bar
@@ -89,6 +90,8 @@ from a2tgpo.train.distributed import (
     launcher_env,
     shutdown_distributed,
 )
+from a2tgpo.train.lineage import KEY as IDENTITY_KEY
+from a2tgpo.train.lineage import archive_superseded, identity_changes, run_identity
 from a2tgpo.train.preemption import (
     EXIT_PREEMPTED,
     PreemptionHandler,
@@ -134,6 +137,7 @@ class Run:
     tracker: Any = None
     saved: int | None = None  # the step of the newest checkpoint
     pending_validation: bool = False  # the newest checkpoint's validation was cut short
+    identity: dict | None = None  # rank 0: the config and inputs it was started from (lineage.py)
 
     @property
     def main(self) -> bool:
@@ -308,7 +312,8 @@ def start_run(cfg: TrainConfig) -> Run:
     train_qs = load_questions(cfg.train_file)
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
     start, best, pending = 0, {"step": None, "val_em": -1.0}, False
-    ckpt = _resume_point(run_dir, rank, distributed)
+    identity = run_identity(cfg) if rank == 0 else None
+    ckpt = _resume_point(cfg, identity, rank, distributed)
     # optimizer state in the checkpoint's backend/ (older checkpoints of this project: in
     # state.pt, single process only)
     in_backend = ckpt is not None and (ckpt / BACKEND_DIR).is_dir()
@@ -336,7 +341,8 @@ def start_run(cfg: TrainConfig) -> Run:
                               cfg.rollout),
               train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
               order=order, start=start, best=best,
-              saved=None if ckpt is None else start, pending_validation=pending)
+              saved=None if ckpt is None else start, pending_validation=pending,
+              identity=identity)
     run.tracker = _tracker(cfg) if run.main else _NoTracker()
     if ckpt is not None:  # engines started from the backbone: give them the checkpoint's
         sync_engine(run, Clock())
@@ -390,7 +396,8 @@ def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
                     optimizer_states=run.cfg.schedule.optimizer_states,
                     trainer_state={"step": step, "best": dict(run.best),
                                    "data_order": run.order.state_dict(),
-                                   "pending_validation": pending_validation},
+                                   "pending_validation": pending_validation,
+                                   IDENTITY_KEY: run.identity},
                     extra_state=backend_state)
 
 
@@ -768,10 +775,28 @@ def _run_folder_lock(cfg: TrainConfig):
     return folder_lock(cfg.run_dir, "run folder") if rank == 0 else contextlib.nullcontext()
 
 
-def _resume_point(run_dir: Path, rank: int, distributed: bool) -> Path | None:
+def _resume_point(cfg: TrainConfig, identity: dict | None, rank: int, distributed: bool
+                  ) -> Path | None:
     """The checkpoint every rank resumes from: rank 0 picks the newest intact one (a damaged
-    one is moved aside with a warning, checkpoint.resume_checkpoint) and tells the others."""
-    ckpt = resume_checkpoint(run_dir) if rank == 0 else None
+    one is moved aside with a warning, checkpoint.resume_checkpoint), or none where it was
+    made from another config or other inputs (the old run is archived, lineage.py), and tells
+    the others."""
+    ckpt = resume_checkpoint(cfg.run_dir) if rank == 0 else None
+    if ckpt is not None:
+        saved = json.loads((ckpt / "meta.json").read_text())["trainer_state"].get(IDENTITY_KEY)
+        if saved is None:
+            log.warning("%s records no config (saved by an older a2tgpo): resuming it without "
+                        "checking that this job's config and inputs are the ones it was "
+                        "trained from", ckpt)
+        elif changes := identity_changes(saved, identity):
+            run_dir, stamp = Path(cfg.run_dir), archive_stamp()
+            dest = (archive_dir(cfg.results_dir, cfg.cell, stamp) if cfg.cell
+                    else run_dir.with_name(f"{run_dir.name}.superseded-{stamp}"))
+            archive_superseded(run_dir, dest, saved, changes)
+            log.warning("%s was trained from another config or other inputs; the old run is "
+                        "moved to %s and this one starts at step 0. What changed:\n  %s",
+                        ckpt, dest, "\n  ".join(changes))
+            ckpt = None
     if distributed:
         import torch.distributed as dist
 

@@ -308,3 +308,19 @@ def test_data_order_exhaustion_and_misuse():
         DataOrder(4, 1, seed=0).next_batch(5)
     with pytest.raises(ValueError, match="resumed with"):
         DataOrder(5, 2, seed=0).load_state_dict(DataOrder(4, 2, seed=0).state_dict())
+
+
+def test_data_order_resumes_into_more_epochs():
+    # a run extended to more steps: 2 epochs saved after 4 batches of 3 out of 10 items
+    # (epoch 0: batches 1-3, epoch 1: batch 4), resumed into 3 epochs, serves what an order
+    # of 3 epochs from the start serves
+    straight = DataOrder(10, 3, seed=5)
+    expect = [straight.next_batch(3) for _ in range(9)]
+    short = DataOrder(10, 2, seed=5)
+    head = [short.next_batch(3) for _ in range(4)]
+    longer = DataOrder(10, 3, seed=5)
+    longer.load_state_dict(short.state_dict())
+    assert head + [longer.next_batch(3) for _ in range(5)] == expect
+    # fewer epochs than saved: refused
+    with pytest.raises(ValueError, match="resumed with"):
+        DataOrder(10, 1, seed=5).load_state_dict(short.state_dict())
