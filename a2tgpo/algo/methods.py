@@ -59,6 +59,12 @@ class AdvantageConfig:
     leaf_norm: bool = option(True, "at2po: z-score leaf rewards within each tree.")
 
 
+# IGPO's gold-answer probe, appended after a turn to score the gold answer; "{gt}" marks where
+# the answer goes (replaced literally, so braces elsewhere are fine)
+IGPO_TEMPLATE = ("\nNow there's enough information to answer\n</think>\n<answer>\n{gt}"
+                 "\n</answer><|im_end|>")
+
+
 @dataclass(frozen=True)
 class InfoGainConfig:
     """Information gain (IGPO, A2TGPO)."""
@@ -70,8 +76,7 @@ class InfoGainConfig:
         "question", "question = first IG against the question alone (paper); skip = the first "
         "tool call only sets the baseline (released code).")
     probe_template: str = option(
-        "\nNow there's enough information to answer\n</think>\n<answer>\n{gt}\n</answer>"
-        "<|im_end|>",
+        IGPO_TEMPLATE,
         "Text appended after each turn to score the gold answer ({gt}); the papers' IGPO "
         "template by default. It must be an answer the backbone would write: a model trained on "
         "another answer format gives the gold answer a probability of about 0 after every turn, "

@@ -385,14 +385,17 @@ def _outcomes(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
     w.save(fig, backbone, "outcomes")
 
 
-def _adv_table(rows: list[dict]) -> dict[int, dict[str, dict[int, float]]]:
-    """{turn position: {stat: {step: value}}} from adv/turn{k}/{stat} keys."""
+def _turn_table(rows: list[dict], pattern: re.Pattern = _ADV_RE
+                ) -> dict[int, dict[str, dict[int, float]]]:
+    """{turn position: {stat: {step: value}}} from the keys `pattern` matches: group 1 the turn,
+    group 2 the stat ("value" where it has none); a later row of a step wins."""
     out: dict[int, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         for key, v in row.items():
-            m = _ADV_RE.match(key)
+            m = pattern.match(key)
             if m and v is not None and "step" in row:
-                out[int(m.group(1))][m.group(2)][int(row["step"])] = float(v)
+                stat = m.group(2) if pattern.groups > 1 else "value"
+                out[int(m.group(1))][stat][int(row["step"])] = float(v)
     return out
 
 
@@ -401,7 +404,7 @@ def _advantage_by_turn(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) 
     for m, cs in cells.items():
         stats: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for c in cs:
-            for k, by_stat in _adv_table(c.metrics() or []).items():
+            for k, by_stat in _turn_table(c.metrics() or []).items():
                 for stat, values in by_stat.items():
                     stats[k][stat].extend(values.values())
         if stats:
@@ -450,7 +453,7 @@ def advantage_note(cfg: ReportConfig, per_method) -> str:
 def _advantage_over_steps(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
     per_method = {}
     for m, cs in cells.items():
-        tables = [_adv_table(c.metrics() or []) for c in cs]
+        tables = [_turn_table(c.metrics() or []) for c in cs]
         if any(tables):
             per_method[m] = tables
     if not per_method:
@@ -690,14 +693,9 @@ def clip_by_turn(cells: list[Cell]) -> dict[int, float]:
     the logged steps of each cell, then over the cells}; {} when none logged it."""
     per_cell = []
     for c in cells:
-        steps: dict[int, dict[int, float]] = defaultdict(dict)
-        for row in c.metrics() or []:
-            for key, v in row.items():
-                m = _CLIP_LATER_RE.match(key)
-                if m and v is not None and "step" in row:
-                    steps[int(m.group(1))][int(row["step"])] = float(v)
-        if steps:
-            per_cell.append({k: statistics.fmean(v.values()) for k, v in steps.items()})
+        turns = _turn_table(c.metrics() or [], _CLIP_LATER_RE)
+        if turns:
+            per_cell.append({k: statistics.fmean(v["value"].values()) for k, v in turns.items()})
     turns = sorted({k for d in per_cell for k in d})
     return {k: statistics.fmean(d[k] for d in per_cell if k in d) for k in turns}
 

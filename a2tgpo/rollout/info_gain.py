@@ -44,11 +44,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from a2tgpo.algo.logprobs import chunked_logprobs
-
-IGPO_PREFIX = "\nNow there's enough information to answer\n</think>\n<answer>\n"
-IGPO_SUFFIX = "\n</answer><|im_end|>"
-# "{gt}" marks where the gold answer goes (replaced literally, so braces elsewhere are fine)
-IGPO_TEMPLATE = IGPO_PREFIX + "{gt}" + IGPO_SUFFIX
+from a2tgpo.algo.methods import IGPO_TEMPLATE
 
 
 class Trajectory(NamedTuple):

@@ -3,11 +3,12 @@
 import pytest
 
 from a2tgpo.algo.methods import InfoGainConfig
-from a2tgpo.rollout.info_gain import IGPO_TEMPLATE
 
 
 def test_the_default_probe_template_is_the_papers():
-    # the method option's default is the IGPO template the probe module defines
-    assert InfoGainConfig().probe_template == IGPO_TEMPLATE
+    # IGPO's probe as spec/algorithms.md quotes it: the closing think, the answer, end of turn
+    assert InfoGainConfig().probe_template == (
+        "\nNow there's enough information to answer\n</think>\n<answer>\n{gt}\n</answer>"
+        "<|im_end|>")
     with pytest.raises(ValueError, match="probe_template must contain"):
         InfoGainConfig(probe_template="no placeholder")

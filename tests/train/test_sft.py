@@ -339,7 +339,12 @@ def test_guess_fraction_is_exact_and_drawn_first(questions):
     assert first <= set(guesses)
     multi_left = [i for i, q in enumerate(questions) if len(q.lookups) > 1 and i not in first]
     early = [i for i in multi_left if kinds[i] == "early_answer"]
-    assert len(early) >= round(0.5 * len(multi_left))
+    assert len(early) >= round(0.5 * len(multi_left))  # the imperfect draw may add some
+    # without the imperfect draw both counts are exact, and the rest is perfect
+    exact = assign_kinds(questions, 0.0, 0, early_answer_fraction=0.5, guess_fraction=0.6)
+    assert {i for i, k in enumerate(exact) if k == "guess"} == first
+    assert sum(k == "early_answer" for k in exact) == round(0.5 * len(multi_left))
+    assert sum(k == "perfect" for k in exact) == 40 - 24 - round(0.5 * len(multi_left))
     # the guess demonstration answers at once, with a name from the question
     demo = oracle(questions[0], "guess", random.Random(0))
     text, query = next(demo)
