@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from a2tgpo.config import dump_yaml, to_dict
@@ -52,9 +53,13 @@ def run_identity(cfg) -> dict:
     if policy.is_dir():
         files.update({f"backbone/{f.name}": f for f in sorted(policy.iterdir())
                       if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)})
+    started = time.perf_counter()
+    hashes = sha256_files(files.values())  # 16 GB of weights: ~10-20 s (est., 1-2 GB/s)
+    log.info("hashed the run's %d input files in %.1f s", len(files),
+             time.perf_counter() - started)
     # through JSON, as a checkpoint stores it (tuples become lists)
     return {"config": json.loads(json.dumps(to_dict(cfg))),
-            "inputs": dict(zip(files, sha256_files(files.values()), strict=True))}
+            "inputs": dict(zip(files, hashes, strict=True))}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
