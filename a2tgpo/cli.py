@@ -66,6 +66,21 @@ def cmd_toy_backbone(args) -> int:
     return 0
 
 
+def cmd_toy_reader(args) -> int:
+    from a2tgpo.train.reader import ToyReaderConfig, build_reader
+
+    cfg = _load(ToyReaderConfig, args)
+    work = args.work or f"{args.out}.worlds"
+    s = build_reader(cfg, work, args.out)
+    copy = s["copy_pretraining"]
+    print(f"toy reader: {s['parameters']:,} parameters, tokenizer vocabulary "
+          f"{s['tokenizer_vocab']}, {cfg.worlds} worlds (seeds {s['world_seeds']}), copy "
+          f"accuracy {copy.get('heldout_accuracy', 'n/a')}, {s['demonstrations']['total']['demos']}"
+          f" demonstrations, SFT final loss {s['sft']['final_loss']:.4f}, "
+          f"{sum(s['seconds'].values()):.0f} s -> {args.out}")
+    return 0
+
+
 def cmd_prepare_data(args) -> int:
     from a2tgpo.data import qa
 
@@ -583,6 +598,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
     p.add_argument("--out", required=True, help="output model directory")
     p.set_defaults(func=cmd_toy_backbone)
+
+    p = sub.add_parser(
+        "toy-reader",
+        help="pretrain the toy reader: a toy backbone that reads, built on other toy worlds",
+        description="Generate the pretraining worlds, train the tokenizer on them, build the "
+        "tiny Qwen3 model, copy-pretrain it, fine-tune it on the oracle's demonstrations of "
+        "every pretraining question (a2tgpo/train/reader.py), and save it with "
+        "save_pretrained plus a2tgpo_reader.json. About 45 min on one CPU thread.",
+        formatter_class=fmt,
+    )
+    _config_args(p, "toy_reader")
+    p.add_argument("--out", required=True, help="output model directory")
+    p.add_argument("--work", default=None,
+                   help="where the pretraining worlds go (default: OUT.worlds)")
+    p.set_defaults(func=cmd_toy_reader)
 
     p = sub.add_parser(
         "prepare-data",

@@ -46,6 +46,7 @@ from a2tgpo.report import ReportConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.tracking import TrackingConfig
 from a2tgpo.train.config import SftConfig
+from a2tgpo.train.reader import ToyReaderConfig, check_reader_worlds
 
 
 def _default_grid() -> GridConfig:
@@ -118,6 +119,11 @@ class StudyConfig:
     toy_backbone: ToyBackboneConfig = option(
         doc="Sizes of the toy backbone (built when a backbone has needs_build: true).",
         factory=ToyBackboneConfig,
+    )
+    toy_reader: ToyReaderConfig = option(
+        doc="The toy reader (`a2tgpo toy-reader`, a2tgpo/train/reader.py): a toy backbone "
+        "pretrained to read on other worlds; built by hand, used through a backbone file.",
+        factory=ToyReaderConfig,
     )
     data: DataConfig = option(doc="QA datasets: training sets, dev holdout, test sets.")
     corpus: CorpusSection = option(doc="Retrieval corpus source.", factory=CorpusSection)
@@ -364,7 +370,8 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
     runs it, so a config the one accepts the other accepts too. Raises ConfigError, its
     message led by `source` (the config's files).
 
-    1. built (toy) backbones share one folder;
+    1. built (toy) backbones share one folder; a toy reader was not pretrained on the study's
+       world (its questions would be memorised, not read);
     2. the grid: every id it names exists, β only for methods that read it (validate_grid);
        every train.method_overrides key matches a method id;
     3. the sweeps: each file loads, names a backbone, track and method of the study, and a
@@ -376,6 +383,10 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
     if len(toy_paths) > 1:
         raise ConfigError(f"{source}: backbones: all built (toy) backbones must share one "
                           "path; got " + ", ".join(sorted(toy_paths)))
+    if study.corpus.source == "world":
+        for b in study.backbones:
+            check_reader_worlds(study.backbone(b).path, study.world.seed,
+                                f"{source}: backbone {b}")
     cells = study_cells(study)
     sweeps = _study_sweeps(study, source)
     # a pattern may name methods this grid leaves out (a shared config, a trimmed grid), not

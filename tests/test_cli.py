@@ -6,7 +6,7 @@ import pytest
 
 from a2tgpo.cli import build_parser, main
 
-COMMANDS = ["world", "toy-backbone", "prepare-data", "download-corpus", "encode-corpus",
+COMMANDS = ["world", "toy-backbone", "toy-reader", "prepare-data", "download-corpus", "encode-corpus",
             "build-index", "check-index", "serve-retriever", "search", "retrieval-eval",
             "sft", "train", "rerun", "evaluate", "select", "methods", "plan", "with-retriever",
             "launch", "fetch-backbone", "fetch-model", "serve-hub", "rehearse", "check-config",
