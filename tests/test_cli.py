@@ -6,8 +6,9 @@ import pytest
 
 from a2tgpo.cli import build_parser, main
 
-COMMANDS = ["world", "toy-backbone", "toy-reader", "prepare-data", "download-corpus", "encode-corpus",
-            "build-index", "check-index", "serve-retriever", "search", "retrieval-eval",
+COMMANDS = ["world", "toy-backbone", "toy-reader", "prepare-data", "download-corpus",
+            "encode-corpus", "build-index", "check-index", "serve-retriever", "search",
+            "retrieval-eval",
             "sft", "train", "rerun", "evaluate", "select", "methods", "plan", "with-retriever",
             "launch", "fetch-backbone", "fetch-model", "serve-hub", "rehearse", "check-config",
             "resolve", "config-doc", "tables", "plots", "sweep-trial", "sweep-summary",
