@@ -187,6 +187,11 @@ class SftConfig:
         "question (drawn first, before early_answer_fraction and imperfect_fraction); above 0.5 "
         "the greedy starting policy answers from memory instead of searching, as a base model "
         "does, and RL has to learn to use the tool.", ge=0, le=1)
+    plan_thought: bool = option(
+        False, "The first thought of a multi-hop demonstration also says how many searches the "
+        "question takes (\"I need to find X. The question takes 2 searches.\"): whether to "
+        "search again after a hop then reads the agent's own recent plan instead of the "
+        "question's wording far back in the prompt.")
     kind_draws: int = option(
         1, "Independent draws of the demonstration kinds (seeds seed, seed+1, ...); epoch e "
         "trains on draw e mod kind_draws, so which question was imperfect cannot be memorised.",

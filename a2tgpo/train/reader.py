@@ -138,7 +138,7 @@ def build_reader(cfg: ToyReaderConfig, work_dir: str | Path, out_dir: str | Path
                 questions, SearchTool(retriever, tok, agent), agent,
                 imperfect_fraction=cfg.sft.imperfect_fraction, seed=cfg.sft.seed + k,
                 early_answer_fraction=cfg.sft.early_answer_fraction,
-                guess_fraction=cfg.sft.guess_fraction)
+                guess_fraction=cfg.sft.guess_fraction, plan=cfg.sft.plan_thought)
         finally:
             retriever.close()
         per_world[d.name] = demo_stats(world_demos)

@@ -155,6 +155,32 @@ def test_oracle_retries_a_missed_page_then_answers_with_what_it_has():
     assert query is None and "\\boxed{ Barton}" in text and "could not find Barton" in text
 
 
+def test_a_planned_first_thought_counts_the_searches_of_multi_hop_questions():
+    bridge = OracleQuestion("x/1", "In which country is Foo Labs headquartered?", ("Zedia",),
+                            "bridge", ("Foo Labs", "Barton"))
+    single = OracleQuestion("x/2", "Where is Foo Labs headquartered?", ("Barton",), "single",
+                            ("Foo Labs",))
+    # two lookups: two searches, said before the first one
+    text, query = next(oracle(bridge, "perfect", random.Random(0), plan=True))
+    assert text == ("<think> I need to find Foo Labs. The question takes 2 searches. </think> "
+                    "<search> Foo Labs </search>") and query == "Foo Labs"
+    # a single-hop question and the default (no plan) keep the plain first thought
+    for q, plan in ((single, True), (bridge, False)):
+        text, _ = next(oracle(q, "perfect", random.Random(0), plan=plan))
+        assert text == "<think> I need to find Foo Labs. </think> <search> Foo Labs </search>"
+
+
+def test_demonstrations_carry_the_plan_when_asked(questions, retriever, tokenizer):
+    tool = SearchTool(retriever, tokenizer, AGENT)
+    planned = write_demonstrations(questions, tool, AGENT, imperfect_fraction=0.25, seed=0,
+                                   plan=True)
+    for d, q in zip(planned, questions, strict=True):
+        first = tokenizer.decode(d.turns[0].action_ids)
+        assert ("The question takes" in first) == (len(q.lookups) > 1), first
+        if len(q.lookups) > 1:
+            assert f"takes {len(q.lookups)} searches." in first
+
+
 def test_boxed_answer_has_the_passages_tokens(demos, tokenizer):
     """The answer in the box is tokenised exactly as the name after a space in a passage, so
     answering is copying ids, not re-tokenising (see `_answer`)."""
