@@ -7,8 +7,8 @@ default one scored EM 0.92 on the questions its demonstrations covered and 0.45 
 ones, and RL then learned per-question answers that did not carry to the dev questions (dev EM
 within 0.42-0.50 of the warm start's 0.45 whatever the method, sessions 9-13 in the README).
 A real search agent starts from a model pretrained elsewhere that already reads; this is the
-toy's version of that model, trained once and used by a study the way a released backbone is
-(`config/backbones/toy_reader.yaml`, shipped in `assets/toy-reader/`).
+toy's version of that model, trained once and used by a study the way a released backbone is:
+a backbone file whose `path` is the reader's folder (needs_build: false, so no warm start).
 
 Recipe (each step's config key in brackets):
   1. Generate `worlds` toy worlds with seeds k × `seed_stride`, k = 1..worlds, of the sizes in
