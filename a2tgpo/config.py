@@ -168,8 +168,13 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     raise TypeError(f"unsupported config type {tp!r} at {path}")
 
 
-def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = "") -> T:
-    """Build dataclass `cls` from a plain mapping, strictly (see module docstring)."""
+def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = "",
+              base: Any = None) -> T:
+    """Build dataclass `cls` from a plain mapping, strictly (see module docstring).
+
+    `base`: the value keys missing from `data` take (a field's own default, e.g. its
+    factory's, rather than the class defaults), so that `a.b.c=1` on a field whose default
+    sets other keys of `b` keeps them."""
     if not isinstance(data, dict):
         raise _fail(source, path, f"expected a mapping ({cls.__name__}), got {data!r}")
     hints = _type_hints(cls)
@@ -184,8 +189,17 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
     for name, f in fields.items():
         where = f"{path}.{name}" if path else name
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], source, where)
+            default = (getattr(base, name) if base is not None else
+                       f.default_factory() if f.default_factory is not _MISSING else None)
+            if (isinstance(data[name], dict) and dataclasses.is_dataclass(hints[name])
+                    and isinstance(default, hints[name])):
+                kwargs[name] = from_dict(hints[name], data[name], source=source, path=where,
+                                         base=default)
+            else:
+                kwargs[name] = _convert(hints[name], data[name], source, where)
             _check_bounds(f.metadata.get("bounds", {}), kwargs[name], source, where)
+        elif base is not None:
+            kwargs[name] = getattr(base, name)
         elif f.default is _MISSING and f.default_factory is _MISSING:
             raise _fail(source, where, f"missing required key ({f.metadata.get('doc', '')})")
     try:

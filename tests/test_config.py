@@ -241,3 +241,22 @@ def test_every_numeric_config_key_declares_its_range_and_its_default_is_in_it():
                     bad_defaults.append(str(e))
     assert not missing, f"numeric keys without a range (option(..., ge=...)): {missing}"
     assert not bad_defaults
+
+
+@dataclass(frozen=True)
+class Tuned:
+    inner: Inner = option(doc="nested, defaults other than Inner's",
+                          factory=lambda: Inner(lr=0.5, mode="token"))
+    table: dict[str, int] = option(doc="mapping", factory=lambda: {"a": 1})
+
+
+def test_a_partial_nested_mapping_keeps_the_fields_own_default():
+    # the field's factory sets lr 0.5 and mode token: giving only mode keeps lr 0.5, not
+    # Inner's class default 1e-6 (an override of one key must not reset its siblings)
+    assert from_dict(Tuned, {"inner": {"mode": "turn"}}).inner == Inner(lr=0.5, mode="turn")
+    assert from_dict(Tuned, {}).inner == Inner(lr=0.5, mode="token")
+    # a plain mapping field is replaced, not merged: what is written is what is used
+    assert from_dict(Tuned, {"table": {"b": 2}}).table == {"b": 2}
+    # a class without such defaults is unchanged
+    assert from_dict(Outer, {"name": "x", "inner": {"mode": "token"}}).inner == Inner(
+        lr=1e-6, mode="token")
