@@ -778,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Snakemake for the tables: only that cell is retrained and re-evaluated, the tables "
         "and plots are refreshed, every other cell is left as it is. Arguments after -- go "
         "to Snakemake (e.g. -- --profile profiles/slurm).",
-        epilog="example: a2tgpo rerun method=a2tgpo beta=0.3 seed=1 -- --cores 2",
+        epilog="example: a2tgpo rerun data=multi_hop method=a2tgpo beta=0.3 seed=1 -- --cores 2",
         formatter_class=fmt,
     )
     p.add_argument("selectors", nargs="+", help="key=value: backbone, method, beta, seed")

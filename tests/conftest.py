@@ -32,6 +32,7 @@ def workdir(tmp_path):
     for name in ("Snakefile", "workflow", "config", "profiles"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    (tmp_path / "assets").symlink_to(ROOT / "assets")  # the shipped toy reader, read-only
     return tmp_path
 
 

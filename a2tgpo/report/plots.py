@@ -309,7 +309,7 @@ def _curve(w: _Writer, backbone: str, kind: str, cells: dict[str, list[Cell]]) -
         if np.isfinite(std).any():
             ax.fill_between(x, mean - std, mean + std, color=colors.get(m), alpha=0.2, lw=0)
     if start is not None:
-        ax.axhline(start * scale, ls="--", lw=1, color="0.35", label="warm start (step 0)")
+        ax.axhline(start * scale, ls="--", lw=1, color="0.35", label="starting policy (step 0)")
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel} [{cfg.backbone_label(backbone)}]")

@@ -109,7 +109,7 @@ def figures(monkeypatch):
 
 def warm_lines(fig) -> list:
     return [ln for ax in fig.axes for ln in ax.get_lines()
-            if ln.get_label() == "warm start (step 0)"]
+            if ln.get_label() == "starting policy (step 0)"]
 
 
 def test_warm_start_is_the_mean_step_0_value_of_the_cells_that_logged_it():

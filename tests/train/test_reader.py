@@ -112,3 +112,26 @@ def test_check_study_refuses_a_reader_pretrained_on_the_study_world(tmp_path, mo
                     plan=False)
     check_study(load_study(ROOT / "config/config.yaml", overrides + ["world.seed=5"]),
                 "config.yaml", plan=False)
+
+
+def test_the_shipped_reader_is_what_the_study_section_rebuilds():
+    # assets/toy-reader is the default study's starting policy; its record must hold the
+    # study's own toy_reader section (so `a2tgpo toy-reader config/config.yaml --section
+    # toy_reader` rebuilds it), worlds the study does not use, and load like a released model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from a2tgpo.config import to_dict
+    from a2tgpo.study import load_study
+
+    study = load_study(ROOT / "config/config.yaml")
+    backbone = study.backbone("toy_reader")
+    assert backbone.path == "assets/toy-reader" and not backbone.needs_build
+    folder = ROOT / backbone.path
+    record = json.loads((folder / READER_FILE).read_text())
+    assert record["config"] == to_dict(study.toy_reader)
+    assert record["world_seeds"] == study.toy_reader.world_seeds()
+    assert study.world.seed not in record["world_seeds"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert sum(p.numel() for p in model.parameters()) == record["parameters"]
+    assert len(tok) == record["tokenizer_vocab"]

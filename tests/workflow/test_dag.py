@@ -25,9 +25,18 @@ def test_dry_run_default_config(workdir):
     r = smk(workdir, "-n", "--quiet", "rules")
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
-    for rule in ("world", "toy_backbone", "prepare_data", "resolve_section", "all"):
+    for rule in ("world", "prepare_track_data", "resolve_section", "train", "all"):
         assert rule in out
     assert "download_corpus" not in out  # the toy corpus comes from the world
+    # the study starts from the shipped reader: nothing builds or warm-starts a backbone
+    assert "toy_backbone" not in out and "\nsft " not in out
+
+
+def test_dry_run_built_backbone_plans_its_build_and_warm_start(workdir):
+    r = smk(workdir, "-n", "--quiet", "rules", "--config", "backbones=['toy_reader', 'toy']")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "toy_backbone" in out and "\nsft " in out
 
 
 def test_dry_run_hub_corpus_plans_download(workdir):
@@ -66,9 +75,14 @@ def test_nested_config_values_reach_the_study_typed(workdir):
 
 
 def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
-    """The toy study shrunk to seconds per stage: a small world, one SFT epoch, a 3-cell grid
-    of 2 training steps. The DAG is the same one `snakemake` runs."""
+    """The toy study shrunk to seconds per stage: a small world, the built backbone (`toy`:
+    tokenizer, model and SFT stages, which the default study's shipped reader skips) with one
+    SFT epoch, one track, a 3-cell grid of 2 training steps. The DAG is the same one
+    `snakemake` runs."""
     cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    cfg["backbones"] = ["toy"]
+    cfg.pop("tracks")
+    cfg["sweeps"] = []  # the study's sweep starts from the reader
     cfg["world"].update(people=40, films=20, companies=10, bands=8, cities=12, distractors=10)
     cfg["world"]["qa_sets"] = [
         {"name": "toy_nq", "group": "single_hop", "splits": {"train": 30, "test": 10},
