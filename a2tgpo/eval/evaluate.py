@@ -287,7 +287,8 @@ def evaluate_checkpoint(cfg: TrainConfig, model_dir: str | Path, test_sets: Sequ
     n = sum(len(v) for v in predictions.values())
     timing = {"questions": n, "load_seconds": t1 - t0, "rollout_seconds": t2 - t1,
               "questions_per_s": n / max(1e-9, t2 - t1),
-              "retrieval_calls": tool.calls}
+              "retrieval_calls": tool.calls,
+              "obs_cut": tool.cut / tool.observations if tool.observations else 0.0}
     for name, d in summary["datasets"].items():
         log.info("step %d %s (%s): EM %.4f F1 %.4f on %d questions", step, name, d["group"],
                  d["em"], d["f1"], d["n"])

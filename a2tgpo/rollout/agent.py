@@ -111,6 +111,10 @@ class SearchTool:
         self.tail = self._ids(tail)
         self.calls = 0
         self.seconds = 0.0  # wall time inside the retriever (part of the rollout time)
+        # observations made, and those whose passages max_obs_tokens cut: a policy trained on
+        # whole observations misreads cut ones (the toy reader: 58% format failures)
+        self.observations = 0
+        self.cut = 0
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -126,6 +130,8 @@ class SearchTool:
         out = []
         for h in hits:
             body = self._ids(format_passages(h, self.cfg.prompt_style, self.cfg.max_passage_chars))
+            self.observations += 1
+            self.cut += len(body) > self.cfg.max_obs_tokens
             # the budget cuts the passages, never the closing tag
             out.append(self.head + body[: self.cfg.max_obs_tokens] + self.tail)
         return out

@@ -415,6 +415,10 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> 
     log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
              metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
              metrics["rollout/tool_calls"], metrics["time/step"])
+    if metrics["rollout/obs_cut"] > 0.1:
+        log.warning("step %d: rollout.max_obs_tokens (%d) cut the passages of %.0f%% of the "
+                    "observations; a policy trained on whole ones may misread them", done,
+                    run.cfg.rollout.max_obs_tokens, 100 * metrics["rollout/obs_cut"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,13 +427,14 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> 
 
 def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], dict]:
     """Scored trajectories of the step's prompt groups, in the same order on every rank, and
-    {"gen_batches", "retrieval_calls"}. Without dynamic sampling one generation batch is the
+    {"gen_batches", "retrieval_calls", "obs_cut"}. Without dynamic sampling one generation batch is the
     step; with it, groups whose `dapo.filter_metric` has no spread are dropped and further
     batches drawn until `prompts_per_step` groups are kept."""
     cfg, backend, dapo = run.cfg, run.backend, run.cfg.method.dapo
     want = cfg.schedule.prompts_per_step
     n_prompts = want * (dapo.gen_batch_multiplier if dapo.dynamic_sampling else 1)
     calls_before, retrieval_before = run.tool.calls, run.tool.seconds
+    obs_before, cut_before = run.tool.observations, run.tool.cut
     kept: list[Trajectory] = []
     gen_batches = 0
     while True:
@@ -459,7 +464,10 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
     clock.times["retrieval"] = run.tool.seconds - retrieval_before
     clock.times["rollout"] -= clock.times["retrieval"]
     calls = int(backend.all_reduce_sum(float(run.tool.calls - calls_before)))
-    return kept, {"gen_batches": gen_batches, "retrieval_calls": calls}
+    obs = backend.all_reduce_sum(float(run.tool.observations - obs_before))
+    cut = backend.all_reduce_sum(float(run.tool.cut - cut_before))
+    return kept, {"gen_batches": gen_batches, "retrieval_calls": calls,
+                  "obs_cut": cut / obs if obs else 0.0}
 
 
 def _rollout(run: Run, questions: list[Question], *, seed: int, greedy: bool = False
@@ -694,6 +702,8 @@ def rollout_metrics(trajs: list[Trajectory], sampling: dict) -> dict:
         / max(1, len(groups)),
         "rollout/gen_batches": sampling["gen_batches"],
         "rollout/retrieval_calls": sampling["retrieval_calls"],
+        # share of the step's observations whose passages rollout.max_obs_tokens cut
+        "rollout/obs_cut": sampling["obs_cut"],
         "rollout/entropy": float(np.mean([x.entropy for t in trajs for x in t.turns])),
     }
     for c in range(max(calls) + 1):

@@ -152,3 +152,15 @@ def test_a_stop_request_ends_the_rollout_at_the_next_wave(scripted, toy_tokenize
         with pytest.raises(StopRequested, match="SIGTERM"):
             rollout_chains(QS, 3, engine, tool, CFG, seed=0)
     assert len(engine.calls) == 1
+
+
+def test_the_tool_counts_observations_the_budget_cuts(toy_tokenizer):
+    tok, retriever = toy_tokenizer, FixedRetriever()
+    body = tok.encode(format_passages(retriever.search(["Foo"], 3)[0], "a2tgpo", 1000),
+                      add_special_tokens=False)
+    # a budget of exactly the body's length cuts nothing; one token less cuts every observation
+    for budget, cut in ((len(body), 0), (len(body) - 1, 2)):
+        tool = SearchTool(retriever, tok, dataclasses.replace(CFG, max_obs_tokens=budget))
+        obs = tool.observe(["Foo", "Foo"])
+        assert (tool.observations, tool.cut) == (2, cut)
+        assert len(obs[0]) == len(tool.head) + min(budget, len(body)) + len(tool.tail)

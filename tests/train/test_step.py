@@ -217,7 +217,7 @@ def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]
     captured = []
     real = update.policy_loss
     monkeypatch.setattr(rl, "sample_groups", lambda run, seed, clock: (
-        trajs, {"gen_batches": 1, "retrieval_calls": 0}))
+        trajs, {"gen_batches": 1, "retrieval_calls": 0, "obs_cut": 0.0}))
     monkeypatch.setattr(rl, "old_logprobs", old_logprobs)
     monkeypatch.setattr(update, "policy_loss",
                         lambda **kw: captured.append(kw) or real(**kw))
