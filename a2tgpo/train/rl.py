@@ -427,9 +427,9 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> 
 
 def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], dict]:
     """Scored trajectories of the step's prompt groups, in the same order on every rank, and
-    {"gen_batches", "retrieval_calls", "obs_cut"}. Without dynamic sampling one generation batch is the
-    step; with it, groups whose `dapo.filter_metric` has no spread are dropped and further
-    batches drawn until `prompts_per_step` groups are kept."""
+    {"gen_batches", "retrieval_calls", "obs_cut"}. Without dynamic sampling one generation
+    batch is the step; with it, groups whose `dapo.filter_metric` has no spread are dropped
+    and further batches drawn until `prompts_per_step` groups are kept."""
     cfg, backend, dapo = run.cfg, run.backend, run.cfg.method.dapo
     want = cfg.schedule.prompts_per_step
     n_prompts = want * (dapo.gen_batch_multiplier if dapo.dynamic_sampling else 1)
