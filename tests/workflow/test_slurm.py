@@ -126,8 +126,10 @@ def merge(base, over):
 def toy_workdir(workdir):
     """The working copy with the small study of slurm/toy_config.yaml as its default study."""
     cfg_file = workdir / "config/config.yaml"
-    cfg = merge(yaml.safe_load(cfg_file.read_text()),
-                yaml.safe_load((HERE / "toy_config.yaml").read_text()))
+    over = yaml.safe_load((HERE / "toy_config.yaml").read_text())
+    cfg = merge(yaml.safe_load(cfg_file.read_text()), over)
+    cfg["grid"] = over["grid"]  # its own sets only: the default ones train tracks it lacks
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # a top-level null removes the key
     cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return workdir
 
