@@ -5,6 +5,13 @@ agent needs, per sequence: the exact sampled ids and the raw log-probability of 
 its own stop strings and its own seed, and to leave the batch as soon as it stops (finished rows
 are dropped from the KV cache, so the batch shrinks instead of padding to the longest row).
 
+Prefix cache: an agent's next turn is its previous input, the tokens just sampled and an
+observation, and a question's rollouts share one prompt. Each call keeps every finished row's
+keys and values (under a byte budget); the next call prefills only what follows the longest
+kept prefix of each prompt, and identical prompts once. Without it every wave re-prefilled
+the whole history: half the toy's rollout time (300k prefilled tokens for 18k sampled). Kept
+entries live for one call and are dropped when the weights change (parameter versions).
+
 Determinism: each prompt's sampling draws from its own `torch.Generator` seeded by its seed,
 so a prompt's continuation does not depend on which other prompts share the batch (up to the
 float effects of padding on the forward pass).
@@ -25,7 +32,7 @@ class HfEngine:
     """The Engine protocol over an `AutoModelForCausalLM` and its tokenizer."""
 
     def __init__(self, model, tokenizer, *, eos_token_ids: list[int] | None = None,
-                 max_batch: int = 64):
+                 max_batch: int = 64, prefix_cache_bytes: int = 1 << 30):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -39,6 +46,13 @@ class HfEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         self.max_batch = max_batch
         self.tokens_generated = 0
+        self.tokens_prefilled = 0  # prompt tokens run through the model
+        self.tokens_reused = 0  # prompt tokens whose keys/values came from the prefix cache
+        self.prefix_cache_bytes = prefix_cache_bytes  # 0: no prefix cache, no shared prompts
+        # prompt + sampled ids (all but the last) -> per layer (keys, values), (kv_heads, n, d)
+        self._kept: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._kept_lengths: list[int] = []  # distinct key lengths, longest first
+        self._kept_version: tuple | None = None
 
     # -- Engine protocol --------------------------------------------------------------------
 
@@ -47,10 +61,16 @@ class HfEngine:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError("one seed per prompt")
         seeds = seeds if seeds is not None else list(range(len(prompts)))
+        if self._kept_version != self._weights_version():
+            self._kept = {}  # keys and values of other weights
+        self._new: dict[tuple[int, ...], list] = {}
+        self._new_bytes = 0
         out: list[Generation] = []
         for s in range(0, len(prompts), self.max_batch):
             out += self._generate_batch(prompts[s: s + self.max_batch], params,
                                         seeds[s: s + self.max_batch])
+        self._kept, self._kept_version = self._new, self._weights_version()
+        self._kept_lengths = sorted({len(k) for k in self._kept}, reverse=True)
         return out
 
     def update_weights(self, state_dict: dict) -> None:
@@ -60,6 +80,7 @@ class HfEngine:
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
+        self._kept = {}
 
     def sleep(self) -> None:
         pass  # the trainer and this engine share one model object: nothing to free
@@ -72,29 +93,13 @@ class HfEngine:
     @torch.inference_mode()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
                         seeds: list[int]) -> list[Generation]:
-        from transformers import DynamicCache
-
         B = len(prompts)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        P = max(len(p) for p in prompts)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(B, P, dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every row's next token is at column P
-            ids[b, P - len(p):] = torch.tensor(p)
-            attn[b, P - len(p):] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache, logits, attn = self._prefill(prompts)
+        next_pos = torch.tensor([len(p) for p in prompts], device=self.device)
         gens = [torch.Generator(device=self.device).manual_seed(int(sd)) for sd in seeds]
-
-        cache = DynamicCache()
-        # logits_to_keep=1: only the next token's logits (a 150k vocabulary x prompt length
-        # would otherwise be materialised for nothing)
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                            past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1].float()
         rows = list(range(B))  # original index of each live row
-        next_pos = pos[:, -1] + 1
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         done: list[tuple[str, str | None] | None] = [None] * B
@@ -120,6 +125,9 @@ class HfEngine:
                 else:
                     keep.append(i)
             self.tokens_generated += len(rows)
+            if len(keep) < len(rows):
+                self._keep_rows(cache, attn, [(i, r) for i, r in enumerate(rows)
+                                              if done[r] is not None], prompts, toks)
             if not keep:
                 break
             if len(keep) < len(rows):  # finished rows leave the batch and the cache
@@ -134,6 +142,91 @@ class HfEngine:
             next_pos = next_pos + 1
         return [Generation(tuple(toks[b]), tuple(lps[b]), done[b][0], done[b][1])
                 for b in range(B)]
+
+    def _prefill(self, prompts: list[list[int]]):
+        """The KV cache and next-token logits of every prompt, and the attention mask over the
+        cache's columns. Shapes: -> cache (B, ·, C + S, ·), logits (B, V), attn (B, C + S).
+
+        Row b's longest kept prefix (c_b tokens, at least one token short of the prompt, so
+        that its last token is run and gives the logits) is placed right-aligned in the first
+        C columns, its s_b remaining tokens right-aligned in the last S; the columns between
+        are masked out, and positions are given explicitly, so each row sees exactly its own
+        tokens at positions 0..len-1. Identical prompts are run once and copied (both off with
+        prefix_cache_bytes 0)."""
+        from transformers import DynamicCache
+
+        if self.prefix_cache_bytes:
+            index: dict[tuple[int, ...], int] = {}
+            expand = [index.setdefault(tuple(p), len(index)) for p in prompts]
+            uniq = list(index)
+        else:  # the plain path: every row prefilled whole
+            expand, uniq = list(range(len(prompts))), [tuple(p) for p in prompts]
+        hits = [self._longest_kept(p) for p in uniq]  # (kept entry or None, c_b)
+        C = max(c for _, c in hits)
+        S = max(len(p) - c for p, (_, c) in zip(uniq, hits, strict=True))
+        U = len(uniq)
+        ids = torch.full((U, S), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(U, C + S, dtype=torch.long)
+        pos = torch.zeros(U, S, dtype=torch.long)
+        for u, (p, (_, c)) in enumerate(zip(uniq, hits, strict=True)):
+            s = len(p) - c
+            ids[u, S - s:] = torch.tensor(p[c:])
+            pos[u, S - s:] = torch.arange(c, len(p))
+            attn[u, C - c: C] = 1
+            attn[u, C + S - s:] = 1
+        cache = DynamicCache()
+        if C:
+            n_layers = len(next(e for e, _ in hits if e is not None))
+            for layer in range(n_layers):
+                ref_k, ref_v = next(e for e, _ in hits if e is not None)[layer]
+                K = ref_k.new_zeros(U, ref_k.shape[0], C, ref_k.shape[2])
+                V = ref_v.new_zeros(U, ref_v.shape[0], C, ref_v.shape[2])
+                for u, (e, c) in enumerate(hits):
+                    if c:
+                        K[u, :, C - c:] = e[layer][0][:, :c]
+                        V[u, :, C - c:] = e[layer][1][:, :c]
+                cache.update(K, V, layer)
+        self.tokens_reused += sum(c for _, c in hits)
+        self.tokens_prefilled += sum(len(p) for p in uniq) - sum(c for _, c in hits)
+        attn = attn.to(self.device)
+        # logits_to_keep=1: only the next token's logits (a 150k vocabulary x prompt length
+        # would otherwise be materialised for nothing)
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn,
+                            position_ids=pos.to(self.device), past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        if expand != list(range(U)):
+            idx = torch.tensor(expand, device=self.device)
+            cache.batch_select_indices(idx)
+            logits, attn = logits[idx], attn[idx]
+        return cache, logits, attn
+
+    def _longest_kept(self, prompt: tuple[int, ...]):
+        """The kept entry whose key is the longest prefix of `prompt`, and how many of its
+        tokens to reuse (at most len(prompt) - 1); (None, 0) when none is."""
+        for n in self._kept_lengths:
+            if n <= len(prompt) and (e := self._kept.get(prompt[:n])) is not None:
+                return e, min(n, len(prompt) - 1)
+        return None, 0
+
+    def _keep_rows(self, cache, attn: torch.Tensor, finished: list[tuple[int, int]],
+                   prompts: list[list[int]], toks: list[list[int]]) -> None:
+        """Keep the keys and values of the rows that just finished (batch index i, original
+        row r): the cache holds their prompt and every sampled token but the last."""
+        if not self.prefix_cache_bytes:
+            return
+        for i, r in finished:
+            valid = attn[i].bool()
+            layers = [(layer.keys[i][:, valid], layer.values[i][:, valid])
+                      for layer in cache.layers]
+            size = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+            if self._new_bytes + size > self.prefix_cache_bytes:
+                return
+            self._new_bytes += size
+            self._new[tuple(prompts[r]) + tuple(toks[r][:-1])] = layers
+
+    def _weights_version(self) -> tuple:
+        # in-place updates (optimizer steps, load_state_dict) bump a tensor's version
+        return tuple(p._version for p in self.model.parameters())
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams,
                 gens: list[torch.Generator]) -> torch.Tensor:

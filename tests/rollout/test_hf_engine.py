@@ -118,3 +118,50 @@ def test_gumbel_sampling_matches_the_distribution(engine):
     top = torch.bincount(engine._sample(logits, SamplingParams(max_tokens=1, top_p=0.6), gens),
                          minlength=3).double() / 6000
     assert top[2] == 0 and abs(top[0] - 0.625) < 0.025
+
+
+def _next_wave(prompts, gens, extra):
+    # an agent's next input: its previous input, what it sampled, then an observation
+    return [p + list(g.token_ids) + extra for p, g in zip(prompts, gens, strict=True)]
+
+
+def test_prefix_cache_reuses_earlier_turns_and_gives_the_uncached_result(model_tok):
+    model, tok = model_tok
+    params = SamplingParams(max_tokens=8, greedy=True)
+    cached, plain = HfEngine(model, tok), HfEngine(model, tok, prefix_cache_bytes=0)
+    # two copies of the first prompt: a question's rollouts share their prompt
+    first = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    a1, b1 = cached.generate(first, params), plain.generate(first, params)
+    # identical prompts are run once: 4 + 2 + 6 prompt tokens, not 4 + 4 + 2 + 6
+    assert cached.tokens_prefilled == 12 and plain.tokens_prefilled == 16
+    assert [g.token_ids for g in a1] == [g.token_ids for g in b1]
+    second = _next_wave(first[1:], a1[1:], [20, 21, 22])
+    second.append([30, 31])  # a prompt no kept entry is a prefix of
+    a2, b2 = cached.generate(second, params), plain.generate(second, params)
+    # rows 0-2 reuse prompt + every sampled token but the last (never run through the model)
+    reused = sum(len(p) + len(g.token_ids) - 1 for p, g in zip(first[1:], a1[1:], strict=True))
+    assert cached.tokens_reused == reused and plain.tokens_reused == 0
+    assert cached.tokens_prefilled == 12 + sum(map(len, second)) - reused
+    for x, y in zip(a2, b2, strict=True):
+        assert x.token_ids == y.token_ids
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+
+
+def test_prefix_cache_is_dropped_when_the_weights_change(model_tok):
+    model, tok = model_tok
+    params = SamplingParams(max_tokens=6, greedy=True)
+    eng = HfEngine(model, tok)
+    gens = eng.generate(PROMPTS, params)
+    second = _next_wave(PROMPTS, gens, [20, 21])
+    with torch.no_grad():  # an optimizer step: the shared model changes in place
+        for p in model.parameters():
+            p.mul_(1.5)
+    try:
+        after = eng.generate(second, params)
+        assert eng.tokens_reused == 0  # the kept keys/values were those of other weights
+        fresh = HfEngine(model, tok, prefix_cache_bytes=0).generate(second, params)
+        assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(1.5)
