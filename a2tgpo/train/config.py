@@ -70,6 +70,12 @@ class TrainSettings:
     schedule: ScheduleConfig = option(doc="Batches and step budget.", factory=ScheduleConfig)
     rollout: AgentConfig = option(doc="Agent loop limits and sampling.", factory=AgentConfig)
     engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
+    old_logprobs: Literal["recompute", "engine"] = option(
+        "recompute", "log π_old of the clipped ratio: recompute = a forward pass of the trainer "
+        "over the batch (the papers' recipe); engine = the log-probs the rollout engine "
+        "sampled with, which saves that pass. Only with engine hf, which samples from the "
+        "trainer's own model (equal up to float noise: 4e-5 at most on the toy); methods with "
+        "information gain get them from the probe pass either way.")
     device: str = option("auto", "torch device; auto = cuda when available.")
     backend: Literal["single", "deepspeed"] = option(
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")
@@ -114,6 +120,10 @@ class TrainSettings:
                              "full parameters on every rank); use zero_stage 1 or 2")
         if self.zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.old_logprobs == "engine" and self.engine != "hf":
+            raise ValueError("old_logprobs engine needs engine hf (it samples from the "
+                             "trainer's model); vLLM's log-probs come from other kernels and "
+                             "precision: use old_logprobs recompute")
         if self.reference != "copy" and self.backend != "deepspeed":
             raise ValueError(f"reference {self.reference} partitions the reference over "
                              "DeepSpeed ranks: it needs backend deepspeed (use reference copy)")

@@ -529,11 +529,15 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
     """log π_old of every token, (B, L), and with information gain on, the gold answer's mean
     log-prob at each trajectory's probe points (B, P) (NaN past its last point) from the same
     forward, plus the IG pass's token counts. Each rank scores rows rank::world; the rows are
-    gathered back into batch order."""
+    gathered back into batch order. Without IG and with old_logprobs engine: the engine's own
+    log-probs of the sampled tokens, no pass."""
     cfg, backend = run.cfg, run.backend
     B, L = batch.input_ids.shape
     mine = list(range(backend.rank, B, backend.world_size))
     old_BL = torch.zeros(B, L)
+    if not cfg.method.info_gain.enabled and cfg.old_logprobs == "engine":
+        # the sampled tokens' own log-probs (0 elsewhere, as the loss masks them)
+        return torch.where(batch.loss_mask.bool(), batch.rollout_logprobs, 0.0), None, {}
     if not cfg.method.info_gain.enabled:
         with clock("old_logprob"):
             old_BL[mine] = batched_logprobs(backend.unwrapped, batch, mine,

@@ -189,25 +189,33 @@ def tiny_model():
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
 
 
-def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]:
-    """rl.train_step on `trajs` with the chosen gold probabilities; returns policy_loss's
-    keyword arguments, one dict per call."""
+def make_run(method_id: str, **settings) -> rl.Run:
+    """A one-process run of the tiny model over the chosen trajectories' shapes."""
     method = METHODS[method_id]
     cfg = TrainConfig(run_dir="unused", results_dir="unused", method=method,
                       backbone=BackboneConfig(id="tiny", path="unused"), train_file="unused",
                       dev_file="unused", corpus="unused", device="cpu",
                       # one update over both questions, one micro-batch: one policy_loss call
                       schedule=ScheduleConfig(steps=1, prompts_per_step=2, mini_batch_prompts=2,
-                                              micro_batch_size=6))
+                                              micro_batch_size=6), **settings)
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = rl.Run(cfg=cfg, backend=SingleBackend(model, optimizer, 1.0),
-                 placement=EnginePlacement(hosts_engine=True, group=0, n_groups=1, devices=(0,)),
-                 optimizer=optimizer,
-                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0),
-                 ref=ReferencePolicy(model, "copy", "cpu") if method.loss.kl_coef > 0 else None,
-                 tok=_Tok(), engine=HfEngine(model, _Tok()), tool=None, train_qs=[], dev_qs=[],
-                 order=None, start=0)
+    return rl.Run(cfg=cfg, backend=SingleBackend(model, optimizer, 1.0),
+                  placement=EnginePlacement(hosts_engine=True, group=0, n_groups=1,
+                                            devices=(0,)),
+                  optimizer=optimizer,
+                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0),
+                  ref=ReferencePolicy(model, "copy", "cpu") if method.loss.kl_coef > 0 else None,
+                  tok=_Tok(), engine=HfEngine(model, _Tok()), tool=None, train_qs=[],
+                  dev_qs=[], order=None, start=0)
+
+
+def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]:
+    """rl.train_step on `trajs` with the chosen gold probabilities; returns policy_loss's
+    keyword arguments, one dict per call."""
+    method = METHODS[method_id]
+    run = make_run(method_id)
+    model = run.backend.unwrapped
 
     def old_logprobs(run, batch, trajs, clock):
         old = update.batched_logprobs(model, batch, list(range(len(trajs))), 6, "cpu")
@@ -282,6 +290,22 @@ def test_a_reward_that_cannot_read_the_prompts_answers_is_refused():
 def test_zero_stage_3_is_refused_by_the_config():
     with pytest.raises(ValueError, match="zero_stage 3 is not supported"):
         _config(method=METHODS["grpo"], backend="deepspeed", zero_stage=3)
+
+
+def test_old_logprobs_from_the_engine_are_the_sampled_ones_and_need_the_hf_engine():
+    from a2tgpo.rollout.trajectory import collate
+
+    batch = collate(CHAINS, 0)
+    mask = batch.loss_mask.bool()
+    old, _, _ = rl.old_logprobs(make_run("grpo", old_logprobs="engine"), batch, CHAINS,
+                                rl.Clock())
+    # every sampled token's engine log-prob is the chosen -0.5 (turn()); 0 elsewhere
+    assert (old[mask] == -0.5).all() and (old[~mask] == 0).all()
+    run = make_run("grpo")  # recompute: the tiny model's own log-probs, not the chosen ones
+    recomputed, _, _ = rl.old_logprobs(run, batch, CHAINS, rl.Clock())
+    assert (recomputed[mask] - -0.5).abs().min() > 1e-3
+    with pytest.raises(ValueError, match="old_logprobs engine needs engine hf"):
+        _config(method=METHODS["grpo"], engine="vllm", old_logprobs="engine")
 
 
 def test_a_partitioned_reference_needs_deepspeed_ranks():
