@@ -24,6 +24,20 @@ def test_default_config_is_valid():
     assert study.backbone("toy").needs_build
 
 
+@pytest.mark.parametrize("name", ["config", "paper", "rehearsal"])
+def test_every_cell_of_every_grid_set_resolves(name):
+    # a cell whose overrides contradict each other (a tree shape whose leaves are not
+    # rollout.n) must fail here, as the DAG fails before any job, not at its first rollout
+    from a2tgpo.study import resolve_cell, study_cells
+
+    study = load_study(ROOT / f"config/{name}.yaml")
+    cells = {c.path for set_cells in study_cells(study).values() for c in set_cells}
+    assert cells
+    for path in sorted(cells):
+        cfg = resolve_cell(study, path)
+        assert cfg.cell == path
+
+
 def test_committed_schema_is_the_generated_one():
     # Snakemake validates with the committed file; it must not drift from the dataclasses
     committed = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
@@ -121,5 +135,7 @@ def test_check_config_accepts_a_method_override_pattern_that_matches(capsys):
     from a2tgpo import cli
 
     assert cli.main(["check-config", "config/config.yaml",
-                     "train.method_overrides={at2po*: [method.rollout.n=4]}"]) == 0
+                     # tree_grpo's own M·K = 6 leaves: the toy's rollout.n=8 would not fit
+                     "train.method_overrides={at2po*: [method.rollout.n=4], "
+                     "tree_grpo: [method.rollout.n=6]}"]) == 0
     assert "config/config.yaml: valid" in capsys.readouterr().out

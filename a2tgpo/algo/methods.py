@@ -131,6 +131,20 @@ class RolloutShapeConfig:
     aepo_branch_probability: float = option(0.5, "AEPO: branch when p >= this.", ge=0, le=1)
     aepo_entropy_weight: float = option(0.2, "AEPO: w in p = U + w(H − H_init).", ge=0)
 
+    def __post_init__(self) -> None:
+        # checked with the config, before any job starts, not at the first rollout
+        m, n_exp, iters, k = self.tree_m, self.tree_n, self.tree_l, self.tree_k
+        if self.shape == "tree_random":
+            if not (m >= 1 and n_exp >= 0 and iters >= 0 and 1 <= k <= 1 + iters * n_exp):
+                raise ValueError(f"Tree-GRPO needs M >= 1 and 1 <= K <= 1 + L·N leaves "
+                                 f"(tree_m={m}, tree_n={n_exp}, tree_l={iters}, tree_k={k})")
+            if self.n != m * k:
+                raise ValueError(f"Tree-GRPO yields tree_m·tree_k = {m * k} trajectories per "
+                                 f"question, but rollout.n = {self.n}")
+        if self.shape == "tree_entropy" and not (m >= 1 and iters >= 0 and k >= 0):
+            raise ValueError(f"AT2PO needs tree_m >= 1, tree_l >= 0, tree_k >= 0 (tree_m={m}, "
+                             f"tree_l={iters}, tree_k={k})")
+
 
 @dataclass(frozen=True)
 class DapoConfig:

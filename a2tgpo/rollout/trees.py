@@ -153,11 +153,7 @@ def rollout_tree_grpo(questions: Sequence[Question], engine: Engine, tool: Searc
     an expansion made.
     """
     m, n_exp, iters, k = shape_cfg.tree_m, shape_cfg.tree_n, shape_cfg.tree_l, shape_cfg.tree_k
-    _check(m >= 1 and n_exp >= 0 and iters >= 0 and 1 <= k <= 1 + iters * n_exp,
-           f"Tree-GRPO needs M >= 1 and 1 <= K <= 1 + L·N leaves (M={m}, N={n_exp}, L={iters}, "
-           f"K={k})")
-    _check(shape_cfg.n == m * k, f"Tree-GRPO yields M·K = {m * k} trajectories per question, "
-           f"but rollout.n = {shape_cfg.n}")
+    # the shape's arithmetic (n = M·K, K <= 1 + L·N) is checked by RolloutShapeConfig
     rng = rng or random.Random(seed)
     trees: list[RolloutTree] = []
     builders: list[TrajectoryBuilder] = []
@@ -225,9 +221,6 @@ def rollout_at2po(questions: Sequence[Question], engine: Engine, tool: SearchToo
     """
     m, rounds, k, alpha = (shape_cfg.tree_m, shape_cfg.tree_l, shape_cfg.tree_k,
                            shape_cfg.expansion_penalty)
-    _check(m >= 1 and rounds >= 0 and k >= 0 and shape_cfg.n >= 1,
-           f"AT2PO needs M >= 1, L >= 0, K >= 0, n >= 1 (M={m}, L={rounds}, K={k}, "
-           f"n={shape_cfg.n})")
     rng = rng or random.Random(seed)
     trees: list[RolloutTree] = []
     builders: list[TrajectoryBuilder] = []
