@@ -92,7 +92,8 @@ class ReferencePolicy:
             yield lambda h: torch.nn.functional.linear(h, head.weight, head.bias)
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch, plan: list[list[int]]) -> tuple[list[int], torch.Tensor]:
+    def logprobs(self, batch: Batch, plan: list[list[int]], share_prefix: bool = False
+                 ) -> tuple[list[int], torch.Tensor]:
         """(rows, logp) for this rank's micro-batches `plan`: rows = the plan's rows in order,
         logp (len(rows), L) on CPU, 0 past each micro-batch's longest row."""
         rows = [b for mb in plan for b in mb]
@@ -102,7 +103,7 @@ class ReferencePolicy:
             # an empty micro-batch: one token of row 0, so that every rank forwards alike
             take, n = (mb, row_length(batch, mb)) if mb else ([0], 1)
             ids, mask, pos = row_inputs(batch, take, n, self.device)
-            hidden = final_hidden(self.module, ids, mask, pos)
+            hidden = final_hidden(self.module, ids, mask, pos, share_prefix=share_prefix)
             with self._output_layer() as project:
                 lp, _ = hidden_logprobs(hidden, ids, project)
             if mb:

@@ -542,7 +542,8 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
         with clock("old_logprob"):
             old_BL[mine] = batched_logprobs(backend.unwrapped, batch, mine,
                                             cfg.schedule.micro_batch_size, backend.device,
-                                            max_tokens=cfg.schedule.micro_batch_tokens)
+                                            max_tokens=cfg.schedule.micro_batch_tokens,
+                                            share_prefix=cfg.schedule.share_prompt)
             return _gather_rows(backend, old_BL, mine), None, {}
     with clock("info_gain+old_logprob"):
         values, lps, stats = score_gold_logprobs(
@@ -575,7 +576,7 @@ def reference_logprobs(run: Run, batch: Batch, clock: Clock) -> torch.Tensor | N
                          max_rows=sched.micro_batch_size,
                          max_tokens=sched.micro_batch_tokens)[backend.rank]
     with clock("ref_logprob"):
-        mine, values = run.ref.logprobs(batch, plan)
+        mine, values = run.ref.logprobs(batch, plan, share_prefix=sched.share_prompt)
         ref_BL = torch.zeros(B, L)
         ref_BL[mine] = values
         return _gather_rows(backend, ref_BL, mine)

@@ -76,20 +76,55 @@ class UpdateLog:
 
 
 def final_hidden(model, ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor) -> torch.Tensor:
+                 position_ids: torch.Tensor, *, share_prefix: bool = False) -> torch.Tensor:
     """The decoder's final (normed) hidden states, without the output layer. (b, L) -> (b, L, H).
 
     With gradients, through `model` itself (the DeepSpeed engine's forward prepares its
     gradient bookkeeping), keeping no logits (an empty `logits_to_keep`); without, through the
-    decoder alone, so that the per-layer hidden states are not collected."""
+    decoder alone, so that the per-layer hidden states are not collected.
+
+    share_prefix: the columns every row holds with the same ids (`common_prefix`: the system
+    prompt and chat template) run once, and the rest of each row on their keys and values, so
+    a micro-batch computes the prompt once instead of once per row (the same values and
+    gradients up to round-off)."""
+    c = common_prefix(ids, attention_mask) if share_prefix else 0
+    if c < 1:
+        return _hidden(model, ids, attention_mask, position_ids, None)
+    b = ids.shape[0]
+    cols = slice(0, c)
+    head, cache = _hidden(model, ids[:1, cols], attention_mask[:1, cols], position_ids[:1, cols],
+                          "new")
+    cache.batch_repeat_interleave(b)  # every row attends to the same prefix keys/values
+    tail = _hidden(model, ids[:, c:], attention_mask, position_ids[:, c:], cache)
+    return torch.cat([head.expand(b, -1, -1), tail], dim=1)
+
+
+def _hidden(model, ids, mask, pos, cache):
+    """final_hidden's forward: cache None (no cache), "new" (returns the prefix's cache too)
+    or a cache the ids continue (`mask` then covers its columns as well)."""
+    from transformers import DynamicCache
+
+    use = cache is not None
+    past = DynamicCache() if cache == "new" else (cache if use else None)
     if torch.is_grad_enabled():
-        out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
-                    output_hidden_states=True, use_cache=False,
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                    output_hidden_states=True, use_cache=use, past_key_values=past,
                     logits_to_keep=torch.zeros(0, dtype=torch.long, device=ids.device))
-        return out.hidden_states[-1]
-    decoder = getattr(model, "module", model).get_decoder()
-    return decoder(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).last_hidden_state
+        hidden = out.hidden_states[-1]
+    else:
+        decoder = getattr(model, "module", model).get_decoder()
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use,
+                         past_key_values=past).last_hidden_state
+    return (hidden, past) if cache == "new" else hidden
+
+
+def common_prefix(ids_bL: torch.Tensor, mask_bL: torch.Tensor) -> int:
+    """How many leading columns every row holds with the same ids, at most the shortest row's
+    length − 1 (each row keeps a token of its own); 0 for fewer than two rows."""
+    if ids_bL.shape[0] < 2:
+        return 0
+    same = (ids_bL == ids_bL[:1]).all(0) & mask_bL.bool().all(0)
+    return min(int(same.long().cumprod(0).sum()), int(mask_bL.sum(1).min()) - 1)
 
 
 def hidden_logprobs(hidden_bLH: torch.Tensor, ids_bL: torch.Tensor, project, *,
@@ -124,7 +159,8 @@ def row_inputs(batch: Batch, rows: slice | list[int], length: int | None, device
 
 def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy: bool = False,
                    device=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   length: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   length: int | None = None, share_prefix: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`hidden_logprobs` of the selected rows through `model` and its own output layer.
     `length`: only the first `length` columns (rows are right-padded).
 
@@ -132,7 +168,7 @@ def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy
     L' = length or L.
     """
     ids, mask, pos = row_inputs(batch, rows, length, device)
-    return hidden_logprobs(final_hidden(model, ids, mask, pos), ids,
+    return hidden_logprobs(final_hidden(model, ids, mask, pos, share_prefix=share_prefix), ids,
                            getattr(model, "module", model).get_output_embeddings(),
                            with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
@@ -144,7 +180,7 @@ def row_length(batch: Batch, rows: list[int]) -> int:
 
 @torch.no_grad()
 def batched_logprobs(model, batch: Batch, rows: list[int], size: int, device, *,
-                     max_tokens: int = 0) -> torch.Tensor:
+                     max_tokens: int = 0, share_prefix: bool = False) -> torch.Tensor:
     """token_logprobs of `rows` (no gradients), in micro-batches of `size` rows or packed under
     `max_tokens` (`micro_batches` on one rank), each cut to its own longest row; on CPU.
     -> (len(rows), L), 0 past each micro-batch's length."""
@@ -154,14 +190,15 @@ def batched_logprobs(model, batch: Batch, rows: list[int], size: int, device, *,
     for mb in micro_batches(lengths, rows, 1, max_rows=size, max_tokens=max_tokens)[0]:
         if mb:
             n = row_length(batch, mb)
-            out[[where[b] for b in mb], :n] = token_logprobs(model, batch, mb, device=device,
-                                                             length=n)[0].cpu()
+            out[[where[b] for b in mb], :n] = token_logprobs(
+                model, batch, mb, device=device, length=n, share_prefix=share_prefix)[0].cpu()
     return out
 
 
 def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.Tensor,
                      loss: LossConfig, *, tokens: float, seqs: float, world: int,
-                     norm_length: int, device) -> tuple[torch.Tensor, dict, dict]:
+                     norm_length: int, device, share_prefix: bool = False
+                     ) -> tuple[torch.Tensor, dict, dict]:
     """The loss of one micro-batch (its share of the mini-batch loss, times `world`): the
     clipped surrogate, + kl_coef·KL, − entropy_coef·H. Returns (loss, {"pg", "kl"} terms,
     policy_loss diagnostics)."""
@@ -172,7 +209,8 @@ def micro_batch_loss(model, data: UpdateBatch, rows: list[int], mask_bL: torch.T
     mask_bL = mask_bL[:, :n]
     agg = dict(global_tokens=tokens, global_seqs=seqs, dp_size=world, norm_length=norm_length)
     need_ent = loss.entropy_coef > 0 or loss.entropy_adv_alpha > 0
-    logp, ent = token_logprobs(model, b, rows, with_entropy=need_ent, device=device, length=n)
+    logp, ent = token_logprobs(model, b, rows, with_entropy=need_ent, device=device, length=n,
+                               share_prefix=share_prefix)
     adv = cut(data.adv)
     if loss.entropy_adv_alpha > 0:
         adv = entropy_aware_advantage(adv_BT=adv, entropy_BT=ent.detach(), mask_BT=mask_bL,
@@ -228,7 +266,7 @@ def micro_batches(lengths: dict[int, int], rows: list[int], world: int, *, max_r
 
 def update_mini_batch(backend, data: UpdateBatch, rows: list[int], loss: LossConfig, *,
                       micro_batch_size: int, norm_length: int, log: UpdateLog,
-                      micro_batch_tokens: int = 0) -> float:
+                      micro_batch_tokens: int = 0, share_prefix: bool = False) -> float:
     """One optimizer update on the mini-batch `rows` (every rank passes the same rows); returns
     the gradient norm. Micro-batches by `micro_batches`; every rank makes the same number of
     forward/backward calls (ZeRO's collectives): a rank short of rows runs a micro-batch whose
@@ -245,7 +283,8 @@ def update_mini_batch(backend, data: UpdateBatch, rows: list[int], loss: LossCon
             mask = torch.zeros_like(data.batch.loss_mask[mb]).to(device)
         total, terms, diag = micro_batch_loss(backend.model, data, mb, mask, loss,
                                               tokens=tokens, seqs=seqs, world=world,
-                                              norm_length=norm_length, device=device)
+                                              norm_length=norm_length, device=device,
+                                              share_prefix=share_prefix)
         backend.backward(total)
         # updates made before this one: from the second on, π has moved away from π_old
         _record(log, total, terms, diag, world, any_tokens=bool(mask.any()),
@@ -290,6 +329,7 @@ def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,
             log.grad_norms.append(update_mini_batch(
                 backend, data, rows, loss, micro_batch_size=schedule.micro_batch_size,
                 micro_batch_tokens=schedule.micro_batch_tokens, norm_length=norm_length,
+                share_prefix=schedule.share_prompt,
                 log=log))
             scheduler.step()
     backend.unwrapped.eval()

@@ -476,3 +476,34 @@ def test_the_later_updates_of_a_step_report_their_own_clip_fraction():
         first, second = log.clip_by_turn[k]
         assert first == 0 and [second] == log.clip_by_turn_later[k]
         assert m[f"clip/later/by_turn/{k}"] == second
+
+
+def test_a_shared_prompt_run_once_gives_the_same_log_probs_loss_and_gradients():
+    from a2tgpo.rollout.trajectory import collate
+
+    batch = collate(CHAINS, 0)
+    rows = list(range(len(CHAINS)))
+    # every row starts 1 2 | 10 20 (prompt, then turn 0's two tokens); b5 ends there (4 tokens),
+    # so 3 columns are shared: each row keeps at least its last token for itself
+    assert update.common_prefix(batch.input_ids, batch.attention_mask) == 3
+    assert update.common_prefix(batch.input_ids[:1], batch.attention_mask[:1]) == 0
+    got = {}
+    for share in (False, True):
+        model = tiny_model()
+        with torch.no_grad():
+            lp = update.batched_logprobs(model, batch, rows, 6, "cpu", share_prefix=share)
+        old = lp - 0.05
+        adv = torch.linspace(-1, 1, old.numel()).view_as(old) * batch.loss_mask
+        data = update.UpdateBatch(batch, old, adv, clip_scale=torch.full_like(old, 1.1))
+        backend = _GradBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0)
+        log = update.UpdateLog()
+        update.update_mini_batch(backend, data, rows, METHODS["a2tgpo"].loss,
+                                 micro_batch_size=6, norm_length=100, log=log,
+                                 share_prefix=share)
+        got[share] = (lp, sum(log.terms["total"]), backend.grads)
+    (lp0, loss0, grads0), (lp1, loss1, grads1) = got[False], got[True]
+    mask = batch.attention_mask.bool()
+    torch.testing.assert_close(lp1[mask], lp0[mask], atol=1e-5, rtol=0)
+    assert abs(loss1 - loss0) < 1e-6
+    for a, b in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
