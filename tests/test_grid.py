@@ -117,8 +117,12 @@ def test_cell_config_takes_every_shared_setting_from_the_train_section():
         "engine_kv_cache_gb": 3.0, "engine_sleep": False, "gradient_checkpointing": True,
         "reference": "zero3", "stop_margin_s": 42.0})
     cfg = _resolve(Cell("toy", "grpo", 0.0, 1), train)
-    for name in TrainSettings.__dataclass_fields__:
+    # old_logprobs engine needs engine hf: checked on a section of its own below
+    for name in set(TrainSettings.__dataclass_fields__) - {"old_logprobs"}:
         assert getattr(cfg, name) == getattr(train, name) != getattr(TrainSettings(), name)
+    hf = from_dict(TrainSection, {"old_logprobs": "engine"})
+    assert _resolve(Cell("toy", "grpo", 0.0, 1), hf).old_logprobs == "engine" != \
+        TrainSettings().old_logprobs
 
 
 def test_cell_config_layers_overrides_in_order():

@@ -136,6 +136,6 @@ def test_check_config_accepts_a_method_override_pattern_that_matches(capsys):
 
     assert cli.main(["check-config", "config/config.yaml",
                      # tree_grpo's own M·K = 6 leaves: the toy's rollout.n=8 would not fit
-                     "train.method_overrides={at2po*: [method.rollout.n=4], "
-                     "tree_grpo: [method.rollout.n=6]}"]) == 0
+                     ("train.method_overrides={at2po*: [method.rollout.n=4], "
+                      "tree_grpo: [method.rollout.n=6]}")]) == 0
     assert "config/config.yaml: valid" in capsys.readouterr().out
