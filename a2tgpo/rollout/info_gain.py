@@ -45,6 +45,7 @@ import torch
 
 from a2tgpo.algo.logprobs import chunked_logprobs
 from a2tgpo.algo.methods import IGPO_TEMPLATE
+from a2tgpo.model.backbone import ATTENTION
 
 
 class Trajectory(NamedTuple):
@@ -197,7 +198,7 @@ def _clock(device) -> float:
 def _score_kv(model, trajs, probes, batch_size, want_lps, stats):
     from transformers import DynamicCache
 
-    if model.config._attn_implementation not in ("sdpa", "eager"):
+    if model.config._attn_implementation not in ("sdpa", ATTENTION, "eager"):
         raise ValueError("method 'kv' needs the sdpa or eager attention (it passes a 4D mask); "
                          f"got {model.config._attn_implementation!r}")
     device = _device(model)

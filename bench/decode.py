@@ -1,0 +1,82 @@
+"""The hf engine's decoding against transformers' stock path, lever by lever, on one toy cell's
+real rollouts: greedy evaluation of dev questions (different questions under one instruction
+prompt) and the cell's sampled training rollouts.
+
+Levers, each added to the one before: `sdpa` attention with transformers' DynamicCache (stock:
+both copy the whole KV cache at every decoded token, the attention to repeat the grouped key
+and value heads, the cache to append by torch.cat); the grouped heads passed to torch's kernel
+uncopied (`a2tgpo.model.backbone.ATTENTION`); the in-place appending cache
+(`hf_engine._decode_cache`); the prompts' common prefix run once (`HfEngine.common_prefix`).
+Every configuration keeps the prefix cache across turns (bench/rollout_prefix.py measures that).
+For each repetition each runs `runner.rollout` over the first --questions dev questions, the
+configurations interleaved; the median seconds, the ratio to stock, and whether the
+trajectories (token ids) are those of stock. One thread, as the toy's jobs run.
+
+A finished cell of the toy DAG gives everything (`./run snakemake` first).
+
+    python bench/decode.py [--cell results/toy/runs/<cell>] [--questions 60] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_CELL = "results/toy/runs/backbone~toy_reader/data~multi_hop/method~grpo/beta~0/seed~1"
+
+
+def main() -> None:
+    from a2tgpo.config import load_config
+    from a2tgpo.model.backbone import ATTENTION, load_model, load_tokenizer
+    from a2tgpo.retrieval.retriever import build_retriever
+    from a2tgpo.rollout.agent import SearchTool
+    from a2tgpo.rollout.hf_engine import HfEngine
+    from a2tgpo.rollout.runner import load_questions, rollout
+    from a2tgpo.train.config import TrainConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cell", default=DEFAULT_CELL)
+    ap.add_argument("--questions", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config(TrainConfig, Path(a.cell) / "config.yaml")
+    tok = load_tokenizer(cfg.backbone)
+    model = load_model(cfg.backbone)
+    tool = SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok, cfg.rollout)
+    qs = load_questions(cfg.dev_file, a.questions)
+    # name -> (attention, engine keyword arguments)
+    configs = {
+        "stock": ("sdpa", dict(append_cache=False, common_prefix=False)),
+        "+ gqa attention": (ATTENTION, dict(append_cache=False, common_prefix=False)),
+        "+ append cache": (ATTENTION, dict(append_cache=True, common_prefix=False)),
+        "+ common prefix": (ATTENTION, dict(append_cache=True, common_prefix=True)),
+    }
+    for greedy, n_q in ((True, len(qs)), (False, min(8, len(qs)))):
+        secs: dict[str, list[float]] = {k: [] for k in configs}
+        ids: dict[str, list] = {}
+        for _ in range(a.reps):
+            for name, (attention, kw) in configs.items():
+                model.set_attn_implementation(attention)
+                eng = HfEngine(model, tok, max_batch=32, **kw)
+                t0 = time.perf_counter()
+                trajs = rollout(cfg, qs[:n_q], eng, tool, seed=1, greedy=greedy)
+                secs[name].append(time.perf_counter() - t0)
+                ids[name] = [t.token_ids() for t in trajs]
+        kind = "greedy (evaluation)" if greedy else f"sampled T={cfg.rollout.temperature}"
+        print(f"{cfg.method.id}: {n_q} questions, {len(ids['stock'])} trajectories, {kind}, "
+              f"{a.reps} reps")
+        base = statistics.median(secs["stock"])
+        for name in configs:
+            same = sum(x == y for x, y in zip(ids["stock"], ids[name], strict=True))
+            t = statistics.median(secs[name])
+            print(f"  {name:16s} {t:6.2f} s  stock / this {base / t:4.2f}x  "
+                  f"trajectories as stock {same}/{len(ids[name])}")
+
+
+if __name__ == "__main__":
+    main()
