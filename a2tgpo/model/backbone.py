@@ -108,7 +108,8 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
     transformers copies the heads whenever a mask is given (CUDA's fused kernels take no masked
     GQA); on CPU torch's kernel does, and the copy of the whole KV cache at every decoded token
-    was 15% of a toy training run (bench/attention.py). The output is the same to the bit."""
+    was 15% of a toy training run's time (bench/decode.py measures the gain). The output is
+    the same to the bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (query.device.type != "cpu" or attention_mask is None

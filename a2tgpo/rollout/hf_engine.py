@@ -16,7 +16,8 @@ and kept the same way, for the first wave of an evaluation's different questions
 
 Decoding appends each token's keys and values in place (`_decode_cache`) and, on CPU, attends
 with grouped-query heads uncopied (`a2tgpo.model.backbone.ATTENTION`): transformers copies the
-whole cache at every token for both. Together 2.3x faster toy evaluation (bench/decode.py).
+whole cache at every token for both. With the common prefix: greedy evaluation 1.9x, sampled
+rollouts 1.8x faster than transformers' stock path, the same trajectories (bench/decode.py).
 
 Determinism: each prompt's sampling draws from its own `torch.Generator` seeded by its seed,
 so a prompt's continuation does not depend on which other prompts share the batch (up to the
@@ -119,7 +120,7 @@ class HfEngine:
             self._kept = {}  # keys and values of other weights
         self._new: dict[tuple[int, ...], list] = {}
         self._new_bytes = 0
-        if self.prefix_cache_bytes and self.common_prefix:
+        if self.prefix_cache_bytes and self.common_prefix and prompts:
             self._keep_common_prefix(prompts)
         out: list[Generation] = []
         for s in range(0, len(prompts), self.max_batch):
