@@ -19,34 +19,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
-import torch
-
-DEFAULT_CELL = "results/toy/runs/backbone~toy_reader/data~multi_hop/method~grpo/beta~0/seed~1"
+from toy_cell import add_cell_args, load_cell
 
 
 def main() -> None:
-    from a2tgpo.config import load_config
-    from a2tgpo.model.backbone import load_model, load_tokenizer
-    from a2tgpo.retrieval.retriever import build_retriever
-    from a2tgpo.rollout.agent import SearchTool
     from a2tgpo.rollout.hf_engine import HfEngine
-    from a2tgpo.rollout.runner import load_questions, rollout
-    from a2tgpo.train.config import TrainConfig
+    from a2tgpo.rollout.runner import rollout
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cell", default=DEFAULT_CELL)
-    ap.add_argument("--questions", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    add_cell_args(ap, questions=16)
     ap.add_argument("--greedy", action="store_true", help="greedy rollouts (validation)")
     a = ap.parse_args()
-    torch.set_num_threads(1)
-    cfg = load_config(TrainConfig, Path(a.cell) / "config.yaml")
-    tok = load_tokenizer(cfg.backbone)
-    model = load_model(cfg.backbone)
-    tool = SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok, cfg.rollout)
-    qs = load_questions(cfg.dev_file, a.questions)
+    cfg, tok, model, tool, qs = load_cell(a.cell, a.questions)
     engines = {"plain": HfEngine(model, tok, prefix_cache_bytes=0), "cached": HfEngine(model, tok)}
     secs: dict[str, list[float]] = {k: [] for k in engines}
     ids: dict[str, list] = {}

@@ -26,6 +26,7 @@ float effects of padding on the forward pass).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -37,6 +38,12 @@ log = logging.getLogger(__name__)
 
 def _decode_cache():
     """A `DynamicCache` whose layers append in place (`_AppendLayer`)."""
+    return _decode_cache_class()()
+
+
+@functools.cache
+def _decode_cache_class():
+    """The class, made once (transformers is imported lazily, as everywhere in this module)."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache, DynamicLayer
 
@@ -76,7 +83,7 @@ def _decode_cache():
         def __init__(self):
             Cache.__init__(self, layer_class_to_replicate=_AppendLayer)
 
-    return _DecodeCache()
+    return _DecodeCache
 
 
 class HfEngine:
