@@ -333,9 +333,11 @@ def cmd_sft(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from a2tgpo.job_cpus import check_job_cpus
     from a2tgpo.train.config import TrainConfig
     from a2tgpo.train.rl import train
 
+    check_job_cpus("train.threads")
     cfg = _load(TrainConfig, args)
     summary = train(cfg)
     print(f"trained {cfg.method.id} for {summary['steps']} steps; best dev EM "
@@ -359,7 +361,9 @@ def cmd_select(args) -> int:
 def cmd_evaluate(args) -> int:
     from a2tgpo.eval import evaluate
     from a2tgpo.eval.select import SelectionError
+    from a2tgpo.job_cpus import check_job_cpus
 
+    check_job_cpus("eval.threads")
     try:
         return evaluate.main(args.config, args.overrides, test=args.test, out_dir=args.out,
                              best=args.best, all_checkpoints=args.all_checkpoints,
@@ -515,10 +519,12 @@ def cmd_plots(args) -> int:
 def cmd_sweep_trial(args) -> int:
     from a2tgpo import sweep
     from a2tgpo.config import load_config
+    from a2tgpo.job_cpus import check_job_cpus
     from a2tgpo.train.config import TrainConfig
 
     if args.log:
         sweep.redirect_to_log(args.log)
+    check_job_cpus("train.threads")  # a trial is a training job (rule sweep_trial)
     cfg = sweep.load_sweep(args.sweep)
     base = load_config(TrainConfig, args.base)
     try:

@@ -217,9 +217,10 @@ def test_profile_resource_mapping_dry_run(workdir):
         by_rule.setdefault(rule, (threads, res))
         assert "tasks" not in res, (rule, res)  # GPU jobs would get --ntasks-per-gpu
         assert "gres" not in res, (rule, res)   # gpu and gres together send both flags
-    # grid jobs: GPUs, CPUs (threads), wall time and memory from the study config (train.*)
+    # grid jobs: GPUs, CPUs (cpus_per_task, as the rule sets it: test_profile_cpus.py), wall
+    # time and memory from the study config (train.*)
     threads, res = by_rule["train"]
-    assert threads == train["threads"] and "cpus_per_task" not in res, res
+    assert threads == train["threads"] == int(res["cpus_per_task"]), res
     # SIGTERM 10 min before the time limit: the trainer checkpoints and exits 75
     assert "--signal=TERM@600" in res.get("slurm_extra", ""), res
     assert (int(res["gpu"]), int(res["runtime"])) == (
@@ -238,7 +239,7 @@ def test_profile_resource_mapping_dry_run(workdir):
     # evaluation jobs: the study config's eval section, not training's resources
     ev = yaml.safe_load((workdir / "config/paper.yaml").read_text())["eval"]
     threads, res = by_rule["evaluate"]
-    assert threads == ev["threads"] and "cpus_per_task" not in res, res
+    assert threads == ev["threads"] == int(res["cpus_per_task"]), res
     assert (int(res["gpu"]), int(res["runtime"])) == (ev["gpus"], ev["runtime_min"]), res
     assert ev["runtime_min"] != train["runtime_min"]
     # CPU jobs: no GPU, the profile's CPUs and memory
@@ -299,7 +300,8 @@ def test_paper_plan_fetches_backbones_and_wraps_jobs_dry_run(workdir):
     trains = [cmd for rule, _, _, cmd in jobs_ if rule == "train"]
     assert trains
     for cmd in trains:
-        assert re.match(r"HF_HUB_OFFLINE=1 OMP_NUM_THREADS=64 exec a2tgpo with-retriever "
+        assert re.match(r"HF_HUB_OFFLINE=1 A2TGPO_JOB_CPUS=64 OMP_NUM_THREADS=64 .*exec a2tgpo "
+                        r"with-retriever "
                         r"\S+/config\.yaml -- a2tgpo launch --nproc 8 --nnodes 1 -- a2tgpo "
                         r"train \S+/config\.yaml > ", cmd), cmd
     # the cells load the fetched folder, not the hub id

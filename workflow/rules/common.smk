@@ -222,6 +222,24 @@ def with_retriever(cfg_path, state_dir=None):
     return WITH_RETRIEVER.replace("{input.cfg}", where)
 
 
+from a2tgpo.job_cpus import ENV as JOB_CPUS_ENV, THREAD_VARS
+
+
+def job_cpus_env(n):
+    """The shell prefix of a grid job (train, sweep_trial, evaluate, evaluate_all) for the `n`
+    CPUs its study config asks (train.threads / eval.threads; the rule's resource cpus_per_task
+    requests them from SLURM): the thread counts, and A2TGPO_JOB_CPUS, which the job checks its
+    CPUs against at start (a2tgpo/job_cpus.py).
+
+    Not from the rule's `threads`: Snakemake caps those at --cores, even for SLURM jobs
+    (snakemake/rules.py), and profiles/default's `cores: all`, which wins over any profile's
+    `cores`, makes that the submitting host's count; Snakemake also passes that --cores into
+    each job. From a 2-core login node, every paper job would get 2 CPUs. cpus_per_task and
+    these variables do not depend on --cores, so the request holds wherever Snakemake runs and
+    whatever --cores says."""
+    return " ".join(f"{var}={n}" for var in (JOB_CPUS_ENV, *THREAD_VARS)) + " "
+
+
 def train_command(wc, threads):
     """Single process, or `train.nproc` ranks per node through `a2tgpo launch`, which passes a
     time limit's SIGTERM on to the ranks and, unlike the deepspeed launcher, never kills them

@@ -26,10 +26,12 @@ rule evaluate_all:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
         runtime=eval_all_runtime,
         mem_mb=eval_mem_mb,
+        cpus_per_task=EVAL.threads,  # as the train rule's (common.smk, job_cpus_env)
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} "
+        "HF_HUB_OFFLINE=1 "
+        + job_cpus_env(EVAL.threads)
         + WITH_RETRIEVER
         + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS
@@ -72,10 +74,12 @@ rule evaluate:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, EVAL.gpus),
         runtime=EVAL.runtime_min,
         mem_mb=eval_mem_mb,
+        cpus_per_task=EVAL.threads,  # as the train rule's (common.smk, job_cpus_env)
     params:
         tests=lambda wc: track_tests(Cell.parse(wc.cell).data),
     shell:
-        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} "
+        "HF_HUB_OFFLINE=1 "
+        + job_cpus_env(EVAL.threads)
         + WITH_RETRIEVER
         + "a2tgpo evaluate {input.cfg} "
         + EVAL_ARGS

@@ -49,6 +49,7 @@ rule sweep_trial:
         gpu=lambda wc: job_gpus(SWEEPS[wc.sweep][1].base.backbone),
         runtime=TRAIN.runtime_min,
         mem_mb=train_mem_mb,
+        cpus_per_task=TRAIN.threads,  # as the train rule's (common.smk, job_cpus_env)
     params:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
         # a trial's own retrieval server (retrieval.http.serve: job), as a training job's
@@ -56,7 +57,9 @@ rule sweep_trial:
             input.base, f"{R}/sweeps/{wc.sweep}/trials/{wc.trial}/retriever"
         ),
     shell:
-        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} exec {params.retriever}a2tgpo sweep-trial "
+        "HF_HUB_OFFLINE=1 "
+        + job_cpus_env(TRAIN.threads)
+        + "exec {params.retriever}a2tgpo sweep-trial "
         "{params.sweep} --index {wildcards.trial} --base {input.base} --out {output} --log {log}"
 
 

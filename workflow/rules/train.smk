@@ -103,11 +103,14 @@ rule train:
         gpu=lambda wc: job_gpus(Cell.parse(wc.cell).backbone, TRAIN.nproc),
         runtime=TRAIN.runtime_min,
         mem_mb=train_mem_mb,
+        # SLURM's CPUs and the thread counts from the config, not `threads`, which Snakemake
+        # caps at the submitting host's cores (common.smk, job_cpus_env)
+        cpus_per_task=TRAIN.threads,
     params:
         cmd=lambda wc, threads: train_command(wc, threads),
         retriever=lambda wc, input: with_retriever(input.cfg),
     # exec: no shell between Snakemake and the job, since SLURM's SIGTERM reaches every
     # process of the job step and a shell would die of it (a2tgpo/train/preemption.py)
     shell:
-        "HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} exec {params.retriever}{params.cmd} "
+        "HF_HUB_OFFLINE=1 " + job_cpus_env(TRAIN.threads) + "exec {params.retriever}{params.cmd} "
         "{input.cfg} > {log} 2>&1"
