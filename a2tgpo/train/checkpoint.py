@@ -54,10 +54,12 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 BACKEND_HASHES = "sha256.json"  # inside backend/
 DAMAGED_PREFIX = "damaged_"
-HASH_CHUNK = 16 * 2**20
+HASH_CHUNK = 4 * 2**20  # per hashing thread (sha256_files runs up to 8)
 # the training backend's optimizer state (and DeepSpeed's fp32 weights) inside a checkpoint;
 # only the newest checkpoint keeps it
 BACKEND_DIR = "backend"
+# the largest weights shard a save holds in host memory at once (`save_weights`)
+SAVE_SHARD_BYTES = 2 * 2**30
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -186,6 +188,7 @@ def save_checkpoint(
     keep_steps: set[int] | frozenset[int] = frozenset(),
     extra_state=None,
     optimizer_states: int = 2,
+    shard_bytes: int = SAVE_SHARD_BYTES,
 ) -> Path:
     """Write `run_dir/checkpoints/step_{step:06d}/` atomically, then prune old checkpoints.
 
@@ -198,6 +201,7 @@ def save_checkpoint(
     `optimizer` None: no optimizer state in state.pt (a training backend that shards it saves
     it through `extra_state(tmp_dir)`, called before the checkpoint is marked complete). Only
     the newest `optimizer_states` checkpoints keep backend/ (the optimizer state).
+    The weights are written by `save_weights`, a shard of at most `shard_bytes` at a time.
     """
     import torch
 
@@ -213,7 +217,7 @@ def save_checkpoint(
     path = checkpoints_dir(run_dir) / f"step_{step:06d}"
     started = time.time()
     with atomic_path(path, directory=True) as tmp:
-        model.save_pretrained(tmp / "model")
+        save_weights(model, tmp / "model", shard_bytes=shard_bytes)
         tokenizer.save_pretrained(tmp / "model")
         torch.save({
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -247,6 +251,59 @@ def save_checkpoint(
     for older in list_checkpoints(run_dir)[:-optimizer_states]:
         drop_optimizer_state(older)
     return path
+
+
+def save_weights(model, directory: str | Path, *, shard_bytes: int = SAVE_SHARD_BYTES) -> None:
+    """`model`'s weights in HF format (config.json, generation_config.json, safetensors
+    shards with their index when there are several), loadable by `from_pretrained` and vLLM.
+
+    Each shard's tensors are copied to host memory, written and dropped before the next: the
+    save adds at most one shard (or the largest tensor) to the host, and nothing to the
+    device the weights live on. `save_pretrained` on the live module would instead clone on
+    that device every parameter that is a view of a shared storage, which every parameter
+    is under DeepSpeed ZeRO-1/2 (one flat buffer): a second copy of the weights on GPU 0
+    while the rollout engine holds the rest of it. Tied parameters (the output layer tied
+    to the embedding) are written once, under the name transformers keeps.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    state = model.state_dict()
+    # the names transformers leaves out of a save (tied to another parameter: key -> source)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    seen: dict[tuple, str] = {}
+    names = []
+    for name, t in sorted(state.items(), key=lambda kv: kv[0] in tied):
+        where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if where not in seen:  # a tied parameter's second name holds the same tensor
+            seen[where] = name
+            names.append(name)
+    names.sort(key=list(state).index)  # the module's order, as save_pretrained writes it
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = state[name].numel() * state[name].element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map, total = {}, 0
+    for group, file in zip(groups, files, strict=True):
+        shard = {n: state[n].detach().to("cpu", copy=True).contiguous() for n in group}
+        save_file(shard, directory / file, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        weight_map.update(dict.fromkeys(group, file))
+        del shard
+    if len(files) > 1:
+        atomic_write_json(directory / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def drop_optimizer_state(path: str | Path) -> None:

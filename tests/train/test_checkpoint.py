@@ -1,10 +1,16 @@
 """Checkpoints: exact resume, atomicity and pruning, HF loadability, preemption, data order."""
 
+import importlib.util
+import json
 import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +21,7 @@ from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     COMPLETE,
+    HASH_CHUNK,
     DamagedCheckpoint,
     DataExhausted,
     DataOrder,
@@ -34,6 +41,7 @@ TINY = ToyBackboneConfig(
 )
 TEXTS = ["Who directed The Silent Harbor?", "<think> reasoning </think>",
          "<answer> The final answer is \\[ \\boxed{Drouora} \\] </answer>"] * 10
+REPO = Path(__file__).resolve().parents[2]
 N_ITEMS, BATCH, EPOCHS = 6, 2, 2  # 3 batches an epoch: a resume after 3 steps is at a boundary
 
 
@@ -324,3 +332,44 @@ def test_data_order_resumes_into_more_epochs():
     # fewer epochs than saved: refused
     with pytest.raises(ValueError, match="resumed with"):
         DataOrder(10, 1, seed=5).load_state_dict(short.state_dict())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed")
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
+                    reason="needs Linux's resettable peak resident memory")
+def test_saving_a_zero2_model_does_not_copy_its_weights(tmp_path):
+    """Under ZeRO-1/2 every parameter is a view of one flat buffer; a save of the live module
+    through save_pretrained clones each of them on the device that holds the weights (GPU 0,
+    beside the awake rollout engine). The trainer's save (`save_checkpoint`, as `rl.save`
+    calls it) holds one weights shard in host memory at a time instead.
+
+    Bound (save_memory_worker.py's model: 327 MB of fp32 weights in 32 MiB shards): the save
+    may add one shard (33.6 MB) or, when a tensor is larger than a shard, that tensor (25.2 MB
+    here), plus the checkpoint hashing's buffers (8 threads x HASH_CHUNK = 33.6 MB) and 16 MiB
+    for the interpreter and the files' metadata: 0.26 of the weights. Cloning the weights adds
+    0.93 of them (measured with `model.save_pretrained` in place of `save_weights`; the
+    fixed save measured 0.19)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536",
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(
+        "save_memory_worker.py")), "--out", str(tmp_path / "run")], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert m["parameter_storages"] == 1  # ZeRO-2 flattened them: the case that clones
+    bound = (max(m["shard_bytes"], m["largest_tensor_bytes"]) + 8 * HASH_CHUNK + 16 * 2**20)
+    assert m["growth_bytes"] < bound, (m, bound / m["weights_bytes"])
+    # and what was written is the model
+    ckpt = latest_checkpoint(tmp_path / "run")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    assert sum(p.numel() for p in loaded.parameters()) * 4 == m["weights_bytes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
