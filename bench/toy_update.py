@@ -165,7 +165,7 @@ def step_batches(run, steps: int) -> list[tuple[int, object]]:
         clock = Clock()
         trajs, _ = sample_groups(run, seed, clock)
         batch = collate(trajs, run.tok.pad_token_id)
-        old_BL, gold_BP, _ = old_logprobs(run, batch, trajs, clock)
+        old_BL, gold_BP, _ = old_logprobs(run, batch, trajs, clock, seed=seed)
         ref_BL = reference_logprobs(run, batch, clock)
         adv = token_advantages(run.cfg.method, batch, trajs, gold_BP, run.tok)
         out.append((seed, UpdateBatch(batch, old_BL, adv.adv_BL, ref_BL, adv.clip_BL)))

@@ -614,8 +614,8 @@ def _time_per_stage(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> 
             per_method[m] = {n: statistics.fmean(s.get(n, 0.0) for s in seeds) for n in names}
     if not per_method:
         return w.skip(backbone, "time_per_stage", f"no cell logged {_TIME_TOTAL}")
-    stage_order = ["rollout", "info_gain+old_logprob", "old_logprob", "ref_logprob",
-                   "advantage", "update"]
+    stage_order = ["rollout", "info_gain+old_logprob", "info_gain", "old_logprob",
+                   "ref_logprob", "advantage", "update"]
     names = sorted({n for d in per_method.values() for n in d},
                    key=lambda n: (stage_order.index(n) if n in stage_order
                                   else len(stage_order) + (n == "other"), n))

@@ -78,10 +78,13 @@ class TrainSettings:
     engine: Literal["hf", "vllm"] = option("hf", "Rollout engine.")
     old_logprobs: Literal["recompute", "engine"] = option(
         "recompute", "log π_old of the clipped ratio: recompute = a forward pass of the trainer "
-        "over the batch (the papers' recipe); engine = the log-probs the rollout engine "
-        "sampled with, which saves that pass. Only with engine hf, which samples from the "
-        "trainer's own model (equal up to float noise: 4e-5 at most on the toy); methods with "
-        "information gain get them from the probe pass either way.")
+        "over the batch (the papers' recipe), grouped as the update groups the rows, so that "
+        "the first update's ratios are exactly 1, in bf16 too; engine = the log-probs the "
+        "rollout engine sampled with, which saves that pass. Only with engine hf, which "
+        "samples from the trainer's own model, and not exact: equal up to float noise (4e-5 at "
+        "most on the toy in fp32), but in bf16 other batch shapes round differently (up to "
+        "~1e-2 per token), which the turn clip (ε 3e-3) acts on. Methods with information gain "
+        "always recompute.")
     device: str = option("auto", "torch device; auto = cuda when available.")
     backend: Literal["single", "deepspeed"] = option(
         "single", "single = one process (CPU or one GPU); deepspeed = ZeRO across processes.")

@@ -102,8 +102,8 @@ from a2tgpo.train.reference import ReferencePolicy
 from a2tgpo.train.update import (
     UpdateBatch,
     UpdateLog,
-    batched_logprobs,
     micro_batches,
+    update_logprobs,
     update_policy,
 )
 
@@ -259,7 +259,7 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
             run.engine.sleep()
     batch = collate(trajs, run.tok.pad_token_id)
     # 5. old log-probs (+ gold-answer log-probs at the probe points: information gain)
-    old_BL, gold_BP, ig_stats = old_logprobs(run, batch, trajs, clock)
+    old_BL, gold_BP, ig_stats = old_logprobs(run, batch, trajs, clock, seed=seed)
     # 6. reference log-probs
     ref_BL = reference_logprobs(run, batch, clock)
     # 7. advantages per turn and their clip scales, broadcast to tokens
@@ -524,43 +524,47 @@ def filter_metric(trajs: list[Trajectory], metric: str) -> torch.Tensor:
 # steps 5-7: log-probs, information gain, advantages
 
 
-def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock
+def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock, *, seed: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """log π_old of every token, (B, L), and with information gain on, the gold answer's mean
-    log-prob at each trajectory's probe points (B, P) (NaN past its last point) from the same
-    forward, plus the IG pass's token counts. Each rank scores rows rank::world; the rows are
-    gathered back into batch order. Without IG and with old_logprobs engine: the engine's own
-    log-probs of the sampled tokens, no pass."""
+    log-prob at each trajectory's probe points (B, P) (NaN past its last point) and the IG
+    pass's token counts.
+
+    log π_old comes from `update_logprobs`: the update's own module and row grouping (its
+    mini-batches for `seed`, the step's update seed, and each rank's micro-batches), so the
+    first update's ratios are exactly 1 in bf16 too. The IG pass (rows rank::world, gathered
+    back) runs the trajectories for its KV cache anyway, but groups them otherwise (padded
+    batches of ig_batch_size), so its token log-probs are not used: IG methods pay one more
+    forward over the batch (bench/toy_update.py measures it). Without IG and with
+    old_logprobs engine: the engine's own log-probs of the sampled tokens, no pass (exact only
+    up to float noise; see TrainSettings.old_logprobs)."""
     cfg, backend = run.cfg, run.backend
-    B, L = batch.input_ids.shape
-    mine = list(range(backend.rank, B, backend.world_size))
-    old_BL = torch.zeros(B, L)
+    B = batch.input_ids.shape[0]
     if not cfg.method.info_gain.enabled and cfg.old_logprobs == "engine":
         # the sampled tokens' own log-probs (0 elsewhere, as the loss masks them)
         return torch.where(batch.loss_mask.bool(), batch.rollout_logprobs, 0.0), None, {}
-    if not cfg.method.info_gain.enabled:
-        with clock("old_logprob"):
-            old_BL[mine] = batched_logprobs(backend.unwrapped, batch, mine,
-                                            cfg.schedule.micro_batch_size, backend.device,
-                                            max_tokens=cfg.schedule.micro_batch_tokens,
-                                            share_prefix=cfg.schedule.share_prompt)
-            return _gather_rows(backend, old_BL, mine), None, {}
-    with clock("info_gain+old_logprob"):
-        values, lps, stats = score_gold_logprobs(
-            backend.unwrapped, [(trajs[b].token_ids(), trajs[b].probe_points()) for b in mine],
-            [build_probe(run.tok, trajs[b].golden_answers[0],
-                         cfg.method.info_gain.probe_template) for b in mine], method="kv",
-            batch_size=cfg.ig_batch_size, token_logprobs=True)
-        gold: list = [None] * B
-        ig_stats: dict[str, float] = defaultdict(float)
-        for rows, part_values, part_lps, part_stats in backend.all_gather_object(
-                (mine, values, lps, stats)):
-            for b, v, lp in zip(rows, part_values, part_lps, strict=True):
-                gold[b] = v
-                old_BL[b, 1: 1 + len(lp)] = torch.tensor(lp)
-            for k, v in part_stats.items():
-                ig_stats[k] += v
-    return old_BL, gold_logprob_matrix(gold), ig_stats
+    gold_BP, ig_stats = None, {}
+    if cfg.method.info_gain.enabled:
+        mine = list(range(backend.rank, B, backend.world_size))
+        with clock("info_gain"):
+            values, _, stats = score_gold_logprobs(
+                backend.unwrapped,
+                [(trajs[b].token_ids(), trajs[b].probe_points()) for b in mine],
+                [build_probe(run.tok, trajs[b].golden_answers[0],
+                             cfg.method.info_gain.probe_template) for b in mine], method="kv",
+                batch_size=cfg.ig_batch_size, token_logprobs=False)
+            gold: list = [None] * B
+            ig_stats = defaultdict(float)
+            for rows, part_values, part_stats in backend.all_gather_object(
+                    (mine, values, stats)):
+                for b, v in zip(rows, part_values, strict=True):
+                    gold[b] = v
+                for k, v in part_stats.items():
+                    ig_stats[k] += v
+            gold_BP = gold_logprob_matrix(gold)
+    with clock("old_logprob"):
+        mine, old_BL = update_logprobs(backend, batch, cfg.schedule, seed=seed)
+        return _gather_rows(backend, old_BL, mine), gold_BP, dict(ig_stats)
 
 
 def reference_logprobs(run: Run, batch: Batch, clock: Clock) -> torch.Tensor | None:

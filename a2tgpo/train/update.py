@@ -7,6 +7,11 @@ uses the mini-batch's global token/sequence counts with dp_size = world, so that
 micro-batches and the average over ranks is exactly the unsplit mini-batch's loss
 (`masks.aggregate_loss`). The same function runs in one process and under DeepSpeed ZeRO
 (tests/train/ds_worker.py drives it on 2 ranks).
+
+`update_logprobs` is log π_old through the update's own path (module, row grouping, length
+cut, dtype; no gradients): the update's first forward then recomputes exactly those numbers,
+so the first update's ratios are exactly 1 in bf16 too, where a pass that groups the rows
+otherwise (other batch shapes and padding) differs by up to ~1e-2 per token.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ class UpdateLog:
     so the sum over ranks is the unsplit value), diagnostics, clip fractions by turn (over all
     updates, and over the updates after the step's first), and one gradient norm per update.
 
-    The first update of a step is on-policy (π = π_old, every ratio 1), so nothing clips there
-    whatever the bounds; only the later ones show whether the clip, and hence β, acts."""
+    The first update of a step is on-policy (π = π_old, every ratio exactly 1 when log π_old
+    comes from `update_logprobs`), so nothing clips there whatever the bounds; only the later
+    ones show whether the clip, and hence β, acts."""
 
     terms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     diagnostics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -176,6 +182,41 @@ def token_logprobs(model, batch: Batch, rows: slice | list[int], *, with_entropy
 def row_length(batch: Batch, rows: list[int]) -> int:
     """The longest row of `rows` in tokens (>= 1): columns past it hold only padding."""
     return max(1, int(batch.attention_mask[rows].sum(1).max())) if rows else 1
+
+
+@torch.no_grad()
+def update_logprobs(backend, batch: Batch, schedule: ScheduleConfig, *, seed: int
+                    ) -> tuple[list[int], torch.Tensor]:
+    """log π of every token through the path the update takes, without gradients: the same
+    module (`backend.model`), the rows grouped as the first epoch's updates group them (the
+    mini-batches of `mini_batch_rows` with `seed`, then this rank's `micro_batches` of each),
+    every micro-batch cut to its longest row, the prompt shared as `schedule.share_prompt`
+    says. The update's forward of a micro-batch then gets exactly these numbers (the same
+    kernels on the same shapes), so log π − log π_old is exactly 0 before the first optimizer
+    step, in bf16 as in fp32; a pass that groups the rows otherwise (other batch shapes and
+    padded lengths, hence other matmul blocking and rounding) differs in bf16 by up to ~1e-2
+    per token (gpu-path.md M3), which the turn clip (ε = 3e-3) would act on.
+
+    With ppo_epochs > 1 the later epochs regroup the rows: their ratios carry that bf16
+    grouping difference on top of the policy's change (in fp32, float noise only).
+
+    Returns (the rows this rank computed, in no particular order; a (B, L) CPU float32 tensor
+    holding them, 0 past each micro-batch's length and in the other ranks' rows)."""
+    out = torch.zeros(batch.input_ids.shape)
+    lengths = dict(enumerate(batch.attention_mask.sum(1).tolist()))
+    mine: list[int] = []
+    for rows in mini_batch_rows(batch.group_ids, schedule, seed)[0]:
+        for mb in micro_batches(lengths, rows, backend.world_size,
+                                max_rows=schedule.micro_batch_size,
+                                max_tokens=schedule.micro_batch_tokens)[backend.rank]:
+            if not mb:
+                continue
+            # as micro_batch_loss: the same rows, length and module
+            n = row_length(batch, mb)
+            out[mb, :n] = token_logprobs(backend.model, batch, mb, device=backend.device,
+                                         length=n, share_prefix=schedule.share_prompt)[0].cpu()
+            mine += mb
+    return mine, out
 
 
 @torch.no_grad()
@@ -311,21 +352,33 @@ def _record(log: UpdateLog, total, terms: dict, diag: dict, world: int, *, any_t
         log.clip_later.append(float(diag["pg_clipfrac"]))
 
 
-def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,
-                  schedule: ScheduleConfig, *, seed: int, norm_length: int) -> UpdateLog:
-    """ppo_epochs passes; each shuffles the prompt groups (seeded) and makes one optimizer
-    update per `mini_batch_prompts` groups. Loss terms are summed over ranks at the end."""
-    group_ids = data.batch.group_ids
+def mini_batch_rows(group_ids: list, schedule: ScheduleConfig, seed: int
+                    ) -> list[list[list[int]]]:
+    """The rows of every optimizer update of a step, per epoch: each of the ppo_epochs
+    shuffles the prompt groups (one `random.Random(seed)` across the epochs) and takes
+    `mini_batch_prompts` groups per update, rows in batch order. The same on every rank."""
     groups = list(dict.fromkeys(group_ids))
     rng = random.Random(seed)
-    log = UpdateLog()
-    backend.unwrapped.train()
+    epochs = []
     for _ in range(schedule.ppo_epochs):
         order = groups[:]
         rng.shuffle(order)
+        epochs.append([])
         for m in range(0, len(order), schedule.mini_batch_prompts):
             chosen = set(order[m: m + schedule.mini_batch_prompts])
-            rows = [b for b, g in enumerate(group_ids) if g in chosen]
+            epochs[-1].append([b for b, g in enumerate(group_ids) if g in chosen])
+    return epochs
+
+
+def update_policy(backend, scheduler, data: UpdateBatch, loss: LossConfig,
+                  schedule: ScheduleConfig, *, seed: int, norm_length: int) -> UpdateLog:
+    """ppo_epochs passes; each shuffles the prompt groups (seeded) and makes one optimizer
+    update per `mini_batch_prompts` groups (`mini_batch_rows`). Loss terms are summed over
+    ranks at the end."""
+    log = UpdateLog()
+    backend.unwrapped.train()
+    for epoch in mini_batch_rows(data.batch.group_ids, schedule, seed):
+        for rows in epoch:
             log.grad_norms.append(update_mini_batch(
                 backend, data, rows, loss, micro_batch_size=schedule.micro_batch_size,
                 micro_batch_tokens=schedule.micro_batch_tokens, norm_length=norm_length,

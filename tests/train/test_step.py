@@ -217,7 +217,7 @@ def run_step(method_id: str, trajs: list[Trajectory], monkeypatch) -> list[dict]
     run = make_run(method_id)
     model = run.backend.unwrapped
 
-    def old_logprobs(run, batch, trajs, clock):
+    def old_logprobs(run, batch, trajs, clock, *, seed):
         old = update.batched_logprobs(model, batch, list(range(len(trajs))), 6, "cpu")
         gold = gold_logprob_matrix([[math.log(p) for p in ps] for ps in GOLD_P])
         return old, gold if method.info_gain.enabled else None, {}
@@ -298,11 +298,11 @@ def test_old_logprobs_from_the_engine_are_the_sampled_ones_and_need_the_hf_engin
     batch = collate(CHAINS, 0)
     mask = batch.loss_mask.bool()
     old, _, _ = rl.old_logprobs(make_run("grpo", old_logprobs="engine"), batch, CHAINS,
-                                rl.Clock())
+                                rl.Clock(), seed=0)
     # every sampled token's engine log-prob is the chosen -0.5 (turn()); 0 elsewhere
     assert (old[mask] == -0.5).all() and (old[~mask] == 0).all()
     run = make_run("grpo")  # recompute: the tiny model's own log-probs, not the chosen ones
-    recomputed, _, _ = rl.old_logprobs(run, batch, CHAINS, rl.Clock())
+    recomputed, _, _ = rl.old_logprobs(run, batch, CHAINS, rl.Clock(), seed=0)
     assert (recomputed[mask] - -0.5).abs().min() > 1e-3
     with pytest.raises(ValueError, match="old_logprobs engine needs engine hf"):
         _config(method=METHODS["grpo"], engine="vllm", old_logprobs="engine")
