@@ -378,12 +378,20 @@ def deepspeed_config(*, zero_stage: Literal[1, 2, 3], grad_clip: float,
     many backward calls came before it, so mini-batches need not hold a fixed number of
     micro-batches. `gradient_accumulation_steps` and the batch sizes then only feed DeepSpeed's
     sample counters. bf16 keeps fp32 master weights in the optimizer; fp32 is used on CPU.
+
+    With bf16, gradients are reduced across ranks in fp32 (`communication_data_type`) and,
+    at ZeRO-2/3, accumulated over an update's micro-batches in fp32 (`data_types.
+    grad_accum_dtype`: DeepSpeed 0.19.8 keeps an fp32 gradient partition; its default is the
+    model's dtype, where a bf16 sum of many micro-batches loses every addend below 2^-8 of
+    it, tests/train/ds_bf16_worker.py). ZeRO-1 keeps bf16 accumulation: DeepSpeed answers
+    grad_accum_dtype fp32 at stage 1 by swapping in its BF16_Optimizer (another checkpoint
+    layout, no offload_states); use ZeRO-2 in bf16.
     """
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
     if micro_batches_per_step < 1 or micro_batch_size < 1:
         raise ValueError("micro_batches_per_step and micro_batch_size must be >= 1")
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": micro_batches_per_step,
         "train_batch_size": micro_batch_size * micro_batches_per_step * world_size,
@@ -395,6 +403,11 @@ def deepspeed_config(*, zero_stage: Literal[1, 2, 3], grad_clip: float,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        config["communication_data_type"] = "fp32"
+        if zero_stage >= 2:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
 
 
 class DeepSpeedBackend:

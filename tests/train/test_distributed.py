@@ -215,6 +215,37 @@ def test_deepspeed_config():
         deepspeed_config(zero_stage=4, grad_clip=1.0)
 
 
+def test_deepspeed_config_reduces_and_accumulates_bf16_gradients_in_fp32():
+    for stage in (2, 3):
+        cfg = deepspeed_config(zero_stage=stage, grad_clip=1.0, bf16=True)
+        assert cfg["communication_data_type"] == "fp32"
+        assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}
+    # ZeRO-1: fp32 reduction only (fp32 accumulation would make DeepSpeed swap the optimizer)
+    cfg = deepspeed_config(zero_stage=1, grad_clip=1.0, bf16=True)
+    assert cfg["communication_data_type"] == "fp32" and "data_types" not in cfg
+    # fp32 training: DeepSpeed's defaults are fp32 already
+    cfg = deepspeed_config(zero_stage=2, grad_clip=1.0)
+    assert "communication_data_type" not in cfg and "data_types" not in cfg
+
+
+@needs_deepspeed
+def test_zero_accumulates_bf16_gradients_in_fp32():
+    """A bf16 engine from `deepspeed_config` sums 65 micro-batches' gradients, 1 + 64 x 2^-9,
+    in fp32 at ZeRO-2/3: norm 2 x 1.125 = 2.25; DeepSpeed's own default (the control) sums
+    them in bf16, where each 2^-9 rounds away: 2.0 (derivation in ds_bf16_worker.py).
+    DeepSpeed runs bf16 on CPU, one process."""
+    proc = subprocess.run(
+        [sys.executable, str(WORKER.with_name("ds_bf16_worker.py")), str(_free_port()),
+         "1", "2", "3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    norms = {(int(line.split()[0]), line.split()[1]): float(line.split()[2])
+             for line in proc.stdout.splitlines() if line[:2] in ("1 ", "2 ", "3 ")}
+    assert norms == {(2, "config"): 2.25, (3, "config"): 2.25,
+                     (1, "config"): 2.0,  # ZeRO-1 keeps bf16 accumulation (see the config)
+                     (1, "bf16_default"): 2.0, (2, "bf16_default"): 2.0,
+                     (3, "bf16_default"): 2.0}
+
+
 # --------------------------------------------------------------------------------------------
 # rollout engine placement
 
