@@ -11,8 +11,15 @@ the three phases of a step (rl.py):
   update    the resident state + the engine asleep + gradients + the activations of one update
             micro-batch (with or without gradient checkpointing) + the chunked log-prob buffers.
 
-The resident state is the weights, the optimizer shard (ZeRO stage), the reference policy of
-KL methods (`train.reference`) and ZeRO's communication buckets. The cell fits when the largest
+The resident state is the weights, the optimizer shard (ZeRO stage; in host memory from after
+one update to the next with `train.offload_optimizer`, so not in the rollout and logprob
+phases), the reference policy of KL methods (`train.reference`) and ZeRO's communication
+buckets.
+
+The terms are what a phase holds reserved by the trainer's CUDA caching allocator, which is
+what the engine sharing the GPU cannot use: the trainer empties its cache at every phase
+boundary (a2tgpo/train/memory.py), so a phase reserves its own tensors plus an allocator
+reserve (RESERVED_SLACK of its passes' terms), never a previous phase's peak. The cell fits when the largest
 phase is within `train.gpu_memory_gb` (GPU cells) or the job's memory request (CPU cells, all
 ranks of the job together), and the job's host memory (below) within its request. The DAG
 refuses a study with a cell that does not fit, naming the
@@ -67,6 +74,7 @@ from pathlib import Path
 
 from a2tgpo.config import ConfigError
 from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig
+from a2tgpo.train.checkpoint import SAVE_SHARD_BYTES
 
 GIB = 2**30
 # DeepSpeed ZeRO-1/2 defaults: reduce_bucket_size and allgather_bucket_size, 5e8 elements each
@@ -74,6 +82,13 @@ ZERO_BUCKET_ELEMENTS = 5e8
 # estimate: the CUDA context of the trainer and of the engine process (~0.5 GiB each) plus
 # the caching allocator's fragmentation at these sizes
 CUDA_OVERHEAD_BYTES = 2.0 * GIB
+# estimate: what the trainer's CUDA caching allocator reserves beyond what a phase's passes
+# allocate (block rounding, and segments split by tensors of other sizes: packed micro-batches
+# differ in length), as a share of the phase's pass terms; resident tensors (weights,
+# optimizer, buckets) are single large blocks and add nothing. Released at every phase
+# boundary (a2tgpo/train/memory.py), so it never carries into the engine's phase. To be
+# calibrated by bench/gpu_probe.py (memory/<phase>/phase_peak_reserved_gib vs the plan).
+RESERVED_SLACK = 0.25
 # estimate: what a vLLM engine keeps asleep at level 1 (weights offloaded, KV cache freed):
 # its CUDA graphs and sampler buffers
 ENGINE_ASLEEP_BYTES = 1.0 * GIB
@@ -342,15 +357,11 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     entropy = loss.entropy_coef > 0 or loss.entropy_adv_alpha > 0
 
     resident = [Term("weights", P * b, f"{P / 1e9:.2f}B params x {b} B")]
+    optimizer = optimizer_term(cfg, P, b, W)
     if ds:
-        resident.append(Term("optimizer shard", 12 * P / W,
-                             f"ZeRO-{cfg.zero_stage}: fp32 master + Adam m, v = 12 B x P / {W}"))
         # a bucket never holds more than the model's gradients or weights
         resident.append(Term("ZeRO buckets", 2 * min(ZERO_BUCKET_ELEMENTS, P) * b,
                              "reduce + all-gather buckets, min(5e8, P) elements each"))
-    else:
-        resident.append(Term("optimizer", 2 * P * b,
-                             f"AdamW m, v in the weights' dtype, 2 x {b} B"))
     if loss.kl_coef > 0:
         gathered = sizes.largest_tensor * b
         ref = {"copy": (P * b, "a full frozen copy"),
@@ -384,7 +395,9 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     else:
         asleep = Term("hf engine", 0.0, "generates with the policy itself")
 
-    rollout = resident + [awake]
+    # the optimizer state on the device between updates, unless offloaded to the host
+    between = [] if cfg.offload_optimizer else [optimizer]
+    rollout = resident + between + [awake]
     if index_bytes:
         rollout.append(Term("retriever index", index_bytes, "in-process, on this device"))
 
@@ -393,15 +406,34 @@ def memory_phases(cfg, sizes: ModelSizes, *, world: int, on_gpu: bool, capacity:
     if ps.ig_tokens:
         candidates.append(nograd_terms(sizes, ps.ig_tokens, ps.longest, b, "IG pass",
                                        cache=True))
-    logprob = resident + [asleep] + max(candidates, key=lambda ts: sum(t.bytes for t in ts))
+    passes_lp = max(candidates, key=lambda ts: sum(t.bytes for t in ts))
+    logprob = resident + between + [asleep] + passes_lp + _reserve(passes_lp, on_gpu)
 
     grads = Term("gradients", (P * b / W if ds and cfg.zero_stage == 2 else P * b)
                  + (4 * P / W if ds else 0),
                  "ZeRO-2 partition" if ds and cfg.zero_stage == 2 else "full")
-    update = resident + [asleep, grads] + update_terms(
-        sizes, ps.update_tokens, ps.longest, b, checkpointing=cfg.gradient_checkpointing,
-        entropy=entropy)
+    passes_up = update_terms(sizes, ps.update_tokens, ps.longest, b,
+                             checkpointing=cfg.gradient_checkpointing, entropy=entropy)
+    update = resident + [optimizer, asleep, grads] + passes_up + _reserve(passes_up, on_gpu)
     return {"rollout": rollout, "logprob": logprob, "update": update}
+
+
+def optimizer_term(cfg, P: int, b: int, W: int) -> Term:
+    """The optimizer state of one rank: DeepSpeed ZeRO-1/2 keeps fp32 master weights and Adam
+    moments for its 1/W of the parameters; one process, torch AdamW's moments."""
+    if cfg.backend == "deepspeed":
+        return Term("optimizer shard", 12 * P / W,
+                    f"ZeRO-{cfg.zero_stage}: fp32 master + Adam m, v = 12 B x P / {W}")
+    return Term("optimizer", 2 * P * b, f"AdamW m, v in the weights' dtype, 2 x {b} B")
+
+
+def _reserve(passes_terms: list[Term], on_gpu: bool) -> list[Term]:
+    """The caching allocator's reserve over a phase's passes (GPU only; RESERVED_SLACK)."""
+    if not on_gpu:
+        return []
+    return [Term("allocator reserve", RESERVED_SLACK * sum(t.bytes for t in passes_terms),
+                 f"estimate: {RESERVED_SLACK:.0%} of the passes' terms, released at the "
+                 "phase's end")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,6 +590,12 @@ def train_host_terms(cfg, sizes: ModelSizes, phases_peak: float, *, on_gpu: bool
         terms.append(Term("policy weights", ranks * sizes.params * b,
                           f"{ranks} ranks x P x {b} B: loaded here, later the asleep engine's "
                           "offloaded copy"))
+        if cfg.offload_optimizer:
+            opt = optimizer_term(cfg, sizes.params, b, ranks * nodes)
+            terms.append(Term("offloaded optimizer state", ranks * opt.bytes,
+                              f"train.offload_optimizer, pinned: {ranks} ranks x {opt.how}"))
+        terms.append(Term("checkpoint save", min(SAVE_SHARD_BYTES, sizes.params * b),
+                          "rank 0: one weights shard at a time (checkpoint.save_weights)"))
         if cfg.method.loss.kl_coef > 0 and cfg.reference == "zero3_offload":
             terms.append(Term("reference partitions", sizes.params * b / nodes,
                               f"ZeRO-3 offload: P x {b} B / {nodes} nodes"))

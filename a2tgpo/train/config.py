@@ -112,6 +112,12 @@ class TrainSettings:
         True, "engine vllm: release the engine's memory (vLLM sleep level 1) during the "
         "log-prob passes and the update, wake it for rollouts; a no-op where vLLM has no sleep "
         "mode (CPU).")
+    offload_optimizer: bool = option(
+        False, "Keep the optimizer state (DeepSpeed ZeRO-1/2: fp32 master weights, Adam "
+        "moments, gradient partitions, 12-16 B x parameters / ranks; one process: the AdamW "
+        "moments) in pinned host memory from after each update until the next, so the rollout "
+        "engine that shares the GPU gets that memory; costs a device-host copy each way per "
+        "step. The plan moves the term from the rollout phase to host memory.")
     stop_margin_s: float = option(
         300.0, "Time budget under SLURM: before each step the trainer reads the job's end time "
         "and, when the longest of the last steps plus the last save would end less than this "

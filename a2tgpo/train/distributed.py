@@ -296,6 +296,7 @@ class SingleBackend:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  grad_clip: float) -> None:
         self._model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self._offloaded: list[tuple[dict, str, torch.device]] = []  # (state, key, device)
 
     @property
     def device(self) -> torch.device:
@@ -337,6 +338,27 @@ class SingleBackend:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return _cpu_copy(self._model.state_dict())
+
+    def offload_states(self) -> None:
+        """The optimizer's state tensors (AdamW moments) to host memory, pinned on a GPU,
+        until `reload_states`; gradients are already freed (`step` sets them to None)."""
+        pin = self.device.type == "cuda"
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device.type != "cpu":
+                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+                    state[key] = host.copy_(value)
+                    self._offloaded.append((state, key, value.device))
+
+    def reload_states(self) -> None:
+        """Undo `offload_states` (a no-op when nothing is offloaded)."""
+        for state, key, device in self._offloaded:
+            state[key] = state[key].to(device)
+        self._offloaded = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self._model.state_dict()
@@ -509,6 +531,27 @@ class DeepSpeedBackend:
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return _cpu_copy(state) if self.is_main else None
         return _cpu_copy(self.engine.module.state_dict()) if self.is_main else None
+
+    def offload_states(self) -> None:
+        """The ZeRO optimizer's fp32 master weights, Adam moments and gradient partitions to
+        pinned host memory until `reload_states` (DeepSpeed's `offload_states`, ZeRO-1/2),
+        which frees 12 B x parameters / ranks of device memory and more for the rollout
+        engine; the bf16 weights stay (the engine's weight sync and validation read them)."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        self.engine.offload_states(include=[State.hp_params, State.lp_grads,
+                                            State.optim_states],
+                                   pin_memory=self._device.type == "cuda")
+
+    def reload_states(self) -> None:
+        """Undo `offload_states` (DeepSpeed's `reload_states`; a no-op when nothing is
+        offloaded)."""
+        if self.engine.optimizer.offloaded_states:
+            self.engine.reload_states()
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.engine.optimizer.offloaded_states)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         if self.zero_stage == 3:

@@ -16,7 +16,9 @@ logs and checkpoints on schedule. One step, as `train_step` reads (the papers' v
   9. weights to the rollout engines: every rank's engine gets that rank's own weights
  10. metrics and rollout samples
 A vLLM engine sleeps (frees its memory) from after the rollouts until the update is done, and
-is woken for the weight sync.
+is woken for the weight sync. At each of these phase boundaries the trainer hands the memory
+it freed back to the device (a2tgpo/train/memory.py), and with train.offload_optimizer the
+optimizer state waits in host memory while the engine is awake.
 Nothing here is method-specific beyond reading the method's settings.
 
 Under `backend: deepspeed` every rank runs all of it: each rank (with `rollout_tp` > 1, the
@@ -92,6 +94,7 @@ from a2tgpo.train.distributed import (
 )
 from a2tgpo.train.lineage import KEY as IDENTITY_KEY
 from a2tgpo.train.lineage import archive_superseded, identity_changes, run_identity
+from a2tgpo.train.memory import PhaseMemory, release
 from a2tgpo.train.preemption import (
     EXIT_PREEMPTED,
     PreemptionHandler,
@@ -254,9 +257,12 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     seed = cfg.seed * 1_000_003 + step
     # 1-4. prompts, rollouts, rewards, dynamic sampling (every rank: the whole batch)
     trajs, sampling = sample_groups(run, seed, clock)
+    # every phase boundary hands freed memory back to the device (the engine shares it)
+    memory = PhaseMemory(run.backend.device)
     if run.engine is not None:  # its memory is free for the log-prob passes and the update
         with clock("engine_sleep"):
             run.engine.sleep()
+    memory.boundary("rollout")
     batch = collate(trajs, run.tok.pad_token_id)
     # 5. old log-probs (+ gold-answer log-probs at the probe points: information gain)
     old_BL, gold_BP, ig_stats = old_logprobs(run, batch, trajs, clock, seed=seed)
@@ -265,20 +271,29 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     # 7. advantages per turn and their clip scales, broadcast to tokens
     with clock("advantage"):
         adv = token_advantages(method, batch, trajs, gold_BP, run.tok)
-    # 8. the updates
+    memory.boundary("logprob")
+    # 8. the updates (the optimizer state back on the device first, where it was offloaded)
     with clock("update"):
+        run.backend.reload_states()
         update = update_policy(run.backend, run.scheduler,
                                UpdateBatch(batch, old_BL, adv.adv_BL, ref_BL, adv.clip_BL),
                                method.loss, cfg.schedule, seed=seed,
                                norm_length=cfg.rollout.max_response_tokens)
-    # 9. weights to the rollout engines
+    # 9. weights to the rollout engines, with the optimizer state in host memory meanwhile
+    # (train.offload_optimizer) and the trainer's cache handed back
+    if run.cfg.offload_optimizer:
+        with clock("offload"):
+            run.backend.offload_states()
+    memory.boundary("update")
     if run.engine is not None:
         with clock("engine_wake"):
             run.engine.wake()
     sync_bytes = sync_engine(run, clock)
+    memory.boundary("awake")
     # 10. metrics and samples
     metrics = step_metrics(run, trajs, batch, adv, update, sampling, ig_stats, clock)
     metrics["engine/sync_bytes"] = sync_bytes
+    metrics.update(memory.metrics())
     metrics.update(engine_mismatch(run.backend, trajs, batch, old_BL))
     return metrics, rollout_records(run.tok, trajs, adv.adv_BK, batch.num_turns)
 
@@ -329,10 +344,15 @@ def start_run(cfg: TrainConfig) -> Run:
     backend = _make_backend(cfg, model, optimizer)
     if in_backend:
         backend.load_state(ckpt / BACKEND_DIR)
+    if cfg.offload_optimizer:  # host memory until the first update, as after every update
+        backend.offload_states()
     elif ckpt is not None and distributed:
         raise ValueError(f"{ckpt} keeps no optimizer state ({BACKEND_DIR}/): only the newest "
                          "schedule.optimizer_states checkpoints do, and a run resumes from "
                          "the newest intact one")
+    # what model loading and ZeRO's flattening freed goes back to the device before the
+    # engine measures its free memory
+    release(backend.device)
     engine = (make_engine(cfg, backend.unwrapped, tok, placement.devices)
               if placement.hosts_engine else None)
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
@@ -386,6 +406,7 @@ def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
         backend.save_state(Path(where) / BACKEND_DIR)
         backend.barrier()
 
+    release(backend.device)
     if not run.main:
         backend_state(None)
         return
