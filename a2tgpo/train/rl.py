@@ -72,7 +72,7 @@ from a2tgpo.rollout.runner import (
     score,
 )
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
-from a2tgpo.tracking import Tracker
+from a2tgpo.tracking import METRICS_FILE, Tracker, cut_after
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     DataOrder,
@@ -161,6 +161,9 @@ def train(cfg: TrainConfig) -> dict:
     # writer lock before anything is written there
     with PreemptionHandler() as preempt, _run_folder_lock(cfg):
         run = start_run(cfg)
+        if run.main:  # the steps after the checkpoint resumed from are redone: logged once
+            for name in (METRICS_FILE, ROLLOUTS_FILE):
+                cut_after(Path(cfg.run_dir) / name, run.saved)
         with run.tracker:
             summary = _loop(run, preempt)
     _close(run)
@@ -871,6 +874,9 @@ def _epochs(cfg: TrainConfig, n_questions: int) -> int:
 
 
 def _close(run: Run) -> None:
+    # a vLLM engine's processes ignore the job's stop signals: the trainer stops them
+    if run.cfg.engine == "vllm" and run.engine is not None:
+        run.engine.close()
     if run.ref is not None:
         run.ref.close()
     run.backend.close()
