@@ -347,12 +347,12 @@ def start_run(cfg: TrainConfig) -> Run:
     backend = _make_backend(cfg, model, optimizer)
     if in_backend:
         backend.load_state(ckpt / BACKEND_DIR)
-    if cfg.offload_optimizer:  # host memory until the first update, as after every update
-        backend.offload_states()
     elif ckpt is not None and distributed:
         raise ValueError(f"{ckpt} keeps no optimizer state ({BACKEND_DIR}/): only the newest "
                          "schedule.optimizer_states checkpoints do, and a run resumes from "
                          "the newest intact one")
+    if cfg.offload_optimizer:  # host memory until the first update, as after every update
+        backend.offload_states()
     # what model loading and ZeRO's flattening freed goes back to the device before the
     # engine measures its free memory
     release(backend.device)
