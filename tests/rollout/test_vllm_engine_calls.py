@@ -65,26 +65,27 @@ def stop():
 # --------------------------------------------------------------------------------------------
 # the stop signals kept out of the engine's processes
 
-# vLLM's start-up in miniature, in a fresh interpreter (whose resource tracker is not running
-# yet, as in a trainer): a process started by multiprocessing's spawn inside the block, which
-# then installs a SIGTERM handler as vLLM's engine core and workers do (one that exits 3)
+# vLLM's start-up in miniature, in a fresh interpreter whose resource tracker is not running
+# yet (spawning a process starts it, and starting it unblocks SIGTERM): a process started by
+# multiprocessing's spawn inside the block, which then installs a SIGTERM handler as vLLM's
+# engine core and workers do (one that exits 3)
 SPAWN = """
 import json, multiprocessing, signal, sys, time
 
 def engine(ready):
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))
-    ready.set()
+    ready.send(True)
     time.sleep(600)
 
 if __name__ == "__main__":
     from a2tgpo.rollout.vllm_engine import _stop_signals_blocked
 
     ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
+    ready, ready_w = ctx.Pipe(duplex=False)  # a pipe: no resource tracker before the block
     with _stop_signals_blocked():
-        proc = ctx.Process(target=engine, args=(ready,))
+        proc = ctx.Process(target=engine, args=(ready_w,))
         proc.start()
-    ready.wait(120)
+    ready.poll(120)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     print(json.dumps({"pid": proc.pid, "mine": sorted(int(s) for s in mask)}), flush=True)
     proc.join(600)
