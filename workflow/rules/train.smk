@@ -112,5 +112,6 @@ rule train:
     # exec: no shell between Snakemake and the job, since SLURM's SIGTERM reaches every
     # process of the job step and a shell would die of it (a2tgpo/train/preemption.py)
     shell:
-        "HF_HUB_OFFLINE=1 " + job_cpus_env(TRAIN.threads) + "exec {params.retriever}{params.cmd} "
-        "{input.cfg} > {log} 2>&1"
+        "HF_HUB_OFFLINE=1 "
+        + job_cpus_env(TRAIN.threads)
+        + "exec {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
