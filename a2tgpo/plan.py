@@ -16,14 +16,15 @@ one update to the next with `train.offload_optimizer`, so not in the rollout and
 phases), the reference policy of KL methods (`train.reference`) and ZeRO's communication
 buckets.
 
-The terms are what a phase holds reserved by the trainer's CUDA caching allocator, which is
-what the engine sharing the GPU cannot use: the trainer empties its cache at every phase
-boundary (a2tgpo/train/memory.py), so a phase reserves its own tensors plus an allocator
-reserve (RESERVED_SLACK of its passes' terms), never a previous phase's peak. The cell fits when the largest
-phase is within `train.gpu_memory_gb` (GPU cells) or the job's memory request (CPU cells, all
-ranks of the job together), and the job's host memory (below) within its request. The DAG
-refuses a study with a cell that does not fit, naming the
+The cell fits when the largest phase is within `train.gpu_memory_gb` (GPU cells) or the job's
+memory request (CPU cells, all ranks of the job together), and the job's host memory (below)
+within its request. The DAG refuses a study with a cell that does not fit, naming the
 cell and its largest term (workflow/rules/common.smk).
+
+On a GPU the terms are what a phase holds reserved by the trainer's CUDA caching allocator,
+which is what the engine sharing the GPU cannot use: the trainer empties its cache at every
+phase boundary (a2tgpo/train/memory.py), so a phase reserves its own tensors plus an allocator
+reserve (RESERVED_SLACK of its passes' terms), never a previous phase's peak.
 
 How each term is computed (b = bytes per weight/activation element: 2 in bf16, 4 in fp32;
 P = parameters, W = ranks, T = tokens of a pass, h/q/k/i = hidden, query (heads x head_dim),

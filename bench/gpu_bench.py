@@ -171,6 +171,23 @@ def bench_search(n: int, dim: int, queries: int) -> dict:
     return {"search_q_s": queries / dt, "search_vectors": n}
 
 
+def row(name: str, value: str) -> None:
+    """Print a row as soon as it is measured (a later section may run out of memory)."""
+    print(f"{name:<40}  {value}", flush=True)
+
+
+def section(name: str, fn) -> None:
+    """Run one benchmark section; an out-of-memory or other failure is a row, not the end."""
+    try:
+        fn()
+    except torch.cuda.OutOfMemoryError as e:
+        row(name, f"OUT OF MEMORY: {str(e).splitlines()[0]}")
+    except Exception as e:
+        row(name, f"FAILED: {type(e).__name__}: {e}")
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true",
@@ -179,38 +196,52 @@ def main() -> None:
     global VOCAB_HI
     if not args.tiny and DEV != "cuda":
         raise SystemExit("needs a CUDA GPU (use --tiny for a CPU smoke run)")
-    rows = [("device", torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu")]
+    row("device", torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu")
     t0 = time.perf_counter()
     model, config = build(args.tiny)
     VOCAB_HI = config.vocab_size - 1
     n = sum(p.numel() for p in model.parameters())
-    rows.append(("model", (f"Qwen3 architecture, {config.num_hidden_layers} layers, "
-                           f"{n / 1e9:.2f}B params, random weights "
-                           f"(built in {time.perf_counter() - t0:.0f} s)")))
+    row("model", f"Qwen3 architecture, {config.num_hidden_layers} layers, {n / 1e9:.2f}B "
+                 f"params, random weights (built in {time.perf_counter() - t0:.0f} s)")
     small = args.tiny
     bsz = 8 if small else 128
-    d = bench_decode(model, batch=bsz, prompt=256, new=16 if small else 128)
-    rows.append((f"hf decode, batch {bsz}",
-                 (f"{d['decode_tok_s']:.0f} tok/s ({d['decode_tokens']} tokens in "
-                  f"{d['decode_s']:.1f} s)")))
-    ig = bench_ig(model, n_traj=6, searches=6)
-    rows.append(("IG time / old-logprob forward",
-                 f"{ig['ig_time_ratio']:.3f} (forward {ig['old_logprob_s']:.2f} s)"))
-    rows.append(("IG extra tokens / trajectory tokens", f"{ig['ig_token_ratio']:.3f}"))
-    rows.append(("IG pass breakdown (s)", ", ".join(f"{k.removeprefix('seconds_')} {v:.2f}"
-                                                    for k, v in ig["breakdown"].items())))
-    tb, ts = (2, 256) if small else (4, 2048)
-    tr = bench_train(model, config, batch=tb, seq=ts)
-    rows.append((f"train step (fwd+bwd+AdamW), {tb}x{ts}",
-                 (f"{tr['train_tok_s']:.0f} tok/s, {tr['train_step_s']:.2f} s/step, "
-                  f"MFU {tr['mfu']:.1%} of {H200_BF16_TFLOPS:.0f} TFLOP/s")))
-    del model
-    torch.cuda.empty_cache()
-    se = bench_search(20_000 if small else 2_000_000, 768, 512 if small else 4096)
-    rows.append((f"flat top-3 search, {se['search_vectors']:,} x 768",
-                 f"{se['search_q_s']:.0f} q/s"))
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+
+    def decode():
+        d = bench_decode(model, batch=bsz, prompt=256, new=16 if small else 128)
+        row(f"hf decode, batch {bsz}", f"{d['decode_tok_s']:.0f} tok/s ({d['decode_tokens']} "
+                                       f"tokens in {d['decode_s']:.1f} s)")
+
+    def ig():
+        r = bench_ig(model, n_traj=6, searches=6)
+        row("IG time / old-logprob forward",
+            f"{r['ig_time_ratio']:.3f} (forward {r['old_logprob_s']:.2f} s)")
+        row("IG extra tokens / trajectory tokens", f"{r['ig_token_ratio']:.3f}")
+        row("IG pass breakdown (s)", ", ".join(f"{k.removeprefix('seconds_')} {v:.2f}"
+                                               for k, v in r["breakdown"].items()))
+
+    # 2 x 2048 with gradient checkpointing: Qwen3-4B's weights, gradients and fused AdamW
+    # states (8 + 8 + 16 GB) and the bf16 logits with their fp32 copy (~6 GB) fit one
+    # 78 GiB H100; 4 x 2048 without checkpointing needed ~90 GiB
+    tb, ts = (2, 256) if small else (2, 2048)
+
+    def train():
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        tr = bench_train(model, config, batch=tb, seq=ts)
+        row(f"train step (fwd+bwd+AdamW, checkpointed), {tb}x{ts}",
+            f"{tr['train_tok_s']:.0f} tok/s, {tr['train_step_s']:.2f} s/step, "
+            f"MFU {tr['mfu']:.1%} of {H200_BF16_TFLOPS:.0f} TFLOP/s")
+
+    for name, fn in (("hf decode", decode), ("IG", ig), ("train step", train)):
+        section(name, fn)
+    model.to("meta")  # its memory back before the search bench
+    n_vec = 20_000 if small else 2_000_000
+
+    def search():
+        se = bench_search(n_vec, 768, 512 if small else 4096)
+        row(f"flat top-3 search, {se['search_vectors']:,} x 768", f"{se['search_q_s']:.0f} q/s")
+
+    section("flat search", search)
 
 
 if __name__ == "__main__":

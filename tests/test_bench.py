@@ -2,6 +2,7 @@
 GPU sessions)."""
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -10,15 +11,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_rl_step_runs_tiny_on_cpu():
-    out = subprocess.run([sys.executable, "bench/gpu_rl_step.py", "--tiny"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_gpu_check_runs_tiny_on_cpu():
+    """bench/gpu_check.sh --tiny: the GPU check's steps (the colocation probe, one RL step, the
+    throughput bench) on CPU with tiny models, each finishing, in the project environment."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                 f"{os.environ.get('PATH', '')}", "PYTHON": sys.executable}
+    out = subprocess.run(["bash", "bench/gpu_check.sh", "--tiny"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    ran = re.findall(r"^== (.+): exit (\d+) after", text, re.M)
+    assert ran == [("colocation probe", "0"), ("one RL step (Qwen3-0.6B)", "0"),
+                   ("Qwen3-4B throughput", "0")], text[-4000:]
+    # the probe's update: log pi_old from the update's own path, so the first update is
+    # on-policy (nothing clips, every ratio 1)
+    assert re.search(r"update: first update: pg_clipfrac 0\.0000, ratio_mean 1\.000000", text), \
+        text[-4000:]
+    # its every section ran: no failure, out-of-memory or missing measurement
+    assert "FAILED" not in text and "OUT OF MEMORY" not in text, text[-4000:]
+    for section in ("logprob", "update", "wake", "save", "plan"):
+        assert re.search(rf"\] {section}: ", text), section
+    # the RL step's rows: measured and finite
     table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
-                 for line in out.stdout.splitlines() if re.search(r"\S\s{2,}\S", line))
+                 for line in out.stdout.splitlines() if re.search(r"^\S.*\S\s{2,}\S", line))
     for key in ("rollout tokens/s (hf engine)", "update tokens/s (A2TGPO loss)"):
         assert float(table[key].replace(",", "")) > 0, out.stdout
-    # the IG pass's extra time relative to the old-logprob pass: measured, finite
     assert math.isfinite(float(table["IG extra time / old-logprob time"])), out.stdout
 
 

@@ -60,9 +60,10 @@ def test_two_rank_training_runs_gathers_and_resumes(toy_train_config, tmp_path):
         METHODS["grpo"].rollout, n=N))
     schedule = ScheduleConfig(steps=2, prompts_per_step=PROMPTS, mini_batch_prompts=1,
                               micro_batch_size=2, eval_every=2, eval_questions=4, save_every=1)
-    # grpo's KL term through the reference partitioned over the ranks, as config/paper.yaml
+    # grpo's KL term through the reference partitioned over the ranks and the optimizer state
+    # offloaded between updates, as config/paper.yaml (saves and resumes from that state)
     cfg = toy_train_config(tmp_path / "run", method, schedule=schedule, backend="deepspeed",
-                           zero_stage=2, reference="zero3")
+                           zero_stage=2, reference="zero3", offload_optimizer=True)
     dump_config(cfg, tmp_path / "cfg.yaml")
     done = _launch(tmp_path / "cfg.yaml")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
