@@ -9,10 +9,19 @@ parts) downloaded and verified, FlashRAG-shaped data from the hub, two tracks x 
 every training job 2 DeepSpeed ranks (`a2tgpo launch`) with one vLLM engine each, every training
 and evaluation job its own retrieval server (`a2tgpo with-retriever`), MLflow, dev-EM selection,
 evaluation and tables. While it runs, one training job is requeued (`scontrol requeue`, as a
-preemption does) once it has saved a checkpoint past step 0 and is rolling out the next step.
+preemption does) once it has logged step 1 and is rolling out step 2. A requeue is a
+preemption's signal: SIGCONT and SIGTERM to every process of the job, the batch shell, each
+rank and each rank's vLLM engine processes alike, then SIGKILL after the cluster's KillWait
+(raised here to KILL_WAIT: 5 s is too short for two CPU ranks to reach a safe point and save).
+The cell saves every 3 steps (config/rehearsal.yaml), so a job that crashed on the signal
+instead of stopping would lose its finished steps.
 
-Checked: the run succeeds; the requeued cell resumed from its checkpoint (its log says so) and
-logged every step exactly once; every training and evaluation job's log shows its retrieval
+Checked: the run succeeds; the requeued job stopped itself: its ranks' stop line, and the
+job's exit status 75 as `a2tgpo with-retriever` logs it (the batch shell died of the signal, so
+neither SLURM nor Snakemake sees that status); the checkpoint it left is its last logged step,
+which the requeued run resumed from (its log says so); every cell logged each step once (no row
+goes back to an earlier step, no rollouts twice); every training and evaluation job's log shows
+its retrieval
 server started and stopped; the fetches and the download went through the hub at the commits
 it serves; tables came out. Runs in .venv-vllm (vLLM on CPU) as root with Debian's SLURM
 (`bash tests/workflow/slurm/cluster.sh install`); `.ci/run` runs it in its vLLM step.
@@ -33,12 +42,11 @@ pytest.importorskip("vllm", reason="vllm not installed: run scripts/setup_vllm_c
                     ".venv-vllm/bin/python -m pytest")
 
 import test_slurm  # tests/workflow is on sys.path (pytest imports test files by rootdir)
-from test_slurm import BIN, ROOT, find, jobs, show_job
+from test_slurm import BIN, ROOT, assert_each_step_logged_once, find, jobs, show_job
 
 from a2tgpo.hub import scan
 from a2tgpo.tracking import read_metrics
-
-cluster = test_slurm.cluster  # the local SLURM cluster fixture (module scope)
+from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -47,7 +55,17 @@ RUN = f"{R}/runs/backbone~rehearsal-qwen3/data~{{track}}/method~{{method}}/beta~
 CELLS = {(t, m): RUN.format(track=t, method=m, beta=b)
          for t in ("multi_hop", "single_hop") for m, b in (("grpo", "0"), ("a2tgpo", "0.3"))}
 PREEMPT = ("multi_hop", "grpo")  # the cell whose training job is requeued mid-run
-RUN_TIMEOUT = 1500
+RUN_TIMEOUT = 2400
+# seconds from the requeue's SIGTERM to SIGKILL (slurm.conf KillWait; SLURM's default is 30,
+# clusters that preempt set a GraceTime): room for the requeued job's two CPU ranks, on a
+# loaded machine, to end the rollout wave they are in and save
+KILL_WAIT = 180
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The local SLURM cluster (test_slurm.py) with KILL_WAIT."""
+    yield from test_slurm.local_cluster(tmp_path_factory, SLURM_KILL_WAIT=KILL_WAIT)
 
 
 @pytest.fixture
@@ -81,16 +99,23 @@ def test_rehearsal_on_slurm_with_a_preempted_training_job(cluster, workdir, tmp_
     target = workdir / CELLS[PREEMPT]
     # the plugin writes the wildcards into the job comment with "/" as "_"
     comment = f"data~{PREEMPT[0]}_method~{PREEMPT[1]}_"
+    log_dir = {key: workdir / R / "logs" / cell.split(f"{R}/")[1] for key, cell in CELLS.items()}
     state = {}
 
     def intervene(table):
         jid = find(table, "train", comment, states={"RUNNING"})
         if "jid" not in state and jid and _steps(target):
-            # step 1 is saved and step 2's rollout under way: a preemption mid-wave
+            # step 1 is logged (saved only with step 0 at the next multiple of save_every) and
+            # step 2's rollout under way: a preemption mid-wave
             subprocess.run(["scontrol", "requeue", jid], env=env, check=True)
             state.update(jid=jid, at=max(_steps(target)))
         jid = state.get("jid")
-        if jid and "released" not in state and table.get(jid, ("",))[0] == "PENDING":
+        if jid and "ended" not in state and table.get(jid, ("",))[0] == "PENDING":
+            # SLURM requeues the job once every process of it has exited: what the stopped
+            # run left, before the requeued one starts (its log replaces this one)
+            state.update(ended=True, steps=_steps(target), ckpt=latest_checkpoint(target),
+                         log=(log_dir[PREEMPT] / "train.log").read_text())
+        if "ended" in state and "released" not in state:
             # SLURM holds a requeued job ~2 min (BeginTime); make it eligible now
             info = show_job(env, jid)
             if info["JobState"] == "PENDING" and info["Reason"] == "BeginTime":
@@ -142,18 +167,27 @@ def test_rehearsal_on_slurm_with_a_preempted_training_job(cluster, workdir, tmp_
                  .glob("*/*.jsonl")}
     assert published == {"train", "dev", "test"}
 
-    # the preempted job: requeued by SLURM, resumed from its checkpoint, no step lost or redone
-    assert "jid" in state, out[-3000:]
+    # the preempted job: requeued by SLURM, stopped itself with a checkpoint of its last
+    # finished step and exit 75 (what `a2tgpo with-retriever` logs as the job's status)
+    assert "ended" in state, (state, out[-3000:])
     assert int(show_job(env, state["jid"])["Restarts"]) >= 1
-    log_dir = {key: workdir / R / "logs" / cell.split(f"{R}/")[1] for key, cell in CELLS.items()}
+    first = state["log"]
+    assert "received SIGTERM" in first, first[-5000:]
+    stop = re.search(r"stopping for .+: newest checkpoint step (\d+); exit 75 \(resumable\)",
+                     first)
+    assert stop and "job finished with status 75" in first, first[-5000:]
+    last = max(state["steps"])
+    summary = json.loads((workdir / CELLS[PREEMPT] / "summary.json").read_text())
+    assert state["at"] <= last < summary["steps"], (state["at"], state["steps"])
+    assert checkpoint_step(state["ckpt"]) == int(stop[1]) == last, (state["ckpt"], last)
+    # the requeued run resumed from it: "resumed from <run>/checkpoints/step_00000N (step N)"
     text = (log_dir[PREEMPT] / "train.log").read_text()
-    # the trainer logs "resumed from <run>/checkpoints/step_00000N (step N)": the step logged
-    # when the signal came, or the next one if its update had begun (it is then finished)
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", text)
-    assert resumed and int(resumed[1]) in (state["at"], state["at"] + 1), text[-3000:]
+    assert resumed and int(resumed[1]) == last, text[-3000:]
+    # every cell, the preempted one too: each step logged once, and evaluated
     for cell in CELLS.values():
         summary = json.loads((workdir / cell / "summary.json").read_text())
-        assert _steps(workdir / cell) == list(range(1, summary["steps"] + 1)), cell
+        assert_each_step_logged_once(workdir / cell, summary["steps"])
         assert (workdir / cell / "eval/summary.json").is_file(), cell
 
     # every training and evaluation job ran against its own retrieval server, started and

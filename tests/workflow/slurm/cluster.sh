@@ -20,6 +20,9 @@
 #                            them: no cgroups)
 #   SLURM_MIN_JOB_AGE=3600   seconds a finished job stays in squeue (the plugin's squeue status
 #                            needs >= 3 x slurm-init-seconds-before-status-checks)
+#   SLURM_KILL_WAIT=5        seconds between the SIGTERM of a requeue, preemption or scancel (to
+#                            every process of every step, the batch shell included) and SIGKILL:
+#                            the stopping job's grace (SLURM's default is 30)
 #
 # Settings found necessary on SLURM 22.05 (Debian bookworm) with snakemake-executor-plugin-slurm
 # 2.8.0: GPUs need File= char devices (file-less GPUs are dropped, plain files give an empty
@@ -132,7 +135,7 @@ DefMemPerCPU=512
 ReturnToService=2
 MinJobAge=${SLURM_MIN_JOB_AGE:-3600}
 InactiveLimit=0
-KillWait=5
+KillWait=${SLURM_KILL_WAIT:-5}
 Waittime=0
 SlurmdTimeout=300
 SlurmctldTimeout=120
