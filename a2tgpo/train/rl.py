@@ -72,6 +72,7 @@ from a2tgpo.rollout.runner import (
     score,
 )
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
+from a2tgpo.rollout.weight_checksum import state_checksum
 from a2tgpo.tracking import METRICS_FILE, Tracker, cut_after
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
@@ -291,11 +292,11 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
     if run.engine is not None:
         with clock("engine_wake"):
             run.engine.wake()
-    sync_bytes = sync_engine(run, clock)
+    sync = sync_engine(run, clock)
     memory.boundary("awake")
     # 10. metrics and samples
     metrics = step_metrics(run, trajs, batch, adv, update, sampling, ig_stats, clock)
-    metrics["engine/sync_bytes"] = sync_bytes
+    metrics.update(sync)
     metrics.update(memory.metrics())
     metrics.update(engine_mismatch(run.backend, trajs, batch, old_BL))
     return metrics, rollout_records(run.tok, trajs, adv.adv_BK, batch.num_turns)
@@ -657,25 +658,53 @@ def token_advantages(method: MethodConfig, batch: Batch, trajs: list[Trajectory]
 # step 9: weights to the engines
 
 
-def sync_engine(run: Run, clock: Clock) -> float:
+def sync_engine(run: Run, clock: Clock) -> dict[str, float]:
     """Every engine-hosting rank sends its own weights to its vLLM engine (the hf engine
-    samples from the trained module itself: nothing to send). Returns the bytes sent by all
-    ranks together."""
-    sent = 0.0
-    with clock("weight_sync"):
-        if run.cfg.engine == "vllm" and run.engine is not None:
+    samples from the trained module itself: nothing to send), then compares the engine's
+    weight checksum with that of what it sent (rollout/weight_checksum.py, exact and
+    layout-free): an engine that kept old or wrong weights would sample from another policy,
+    silently, and in bf16 the log-prob check (`engine_mismatch`) cannot tell it from rounding.
+
+    Returns engine/sync_bytes (all ranks together) and, with vLLM, engine/weights_match/rank<r>
+    per engine-hosting rank and engine/weights_match (their minimum): 1 = the engine holds
+    exactly its rank's weights. A mismatch stops training on every rank with an error naming
+    the ranks: the samples would be from an unknown policy, and the newest checkpoint is from
+    before it. Nothing is checked where the engine is gone after a stop request."""
+    sent, check = 0.0, None
+    vllm = run.cfg.engine == "vllm"
+    if vllm and run.engine is not None:
+        with clock("weight_sync"):
             state = run.backend.local_state_dict()
             run.engine.update_weights(state)
             sent = float(sum(t.numel() * t.element_size() for t in state.values()))
-    return float(run.backend.all_reduce_sum(sent))
+        with clock("weight_check"):
+            got = run.engine.weights_checksum()
+            check = None if got is None else (state_checksum(state), got)
+    out = {"engine/sync_bytes": float(run.backend.all_reduce_sum(sent))}
+    if not vllm:
+        return out
+    checks = {r: c for r, c in enumerate(run.backend.all_gather_object(check)) if c is not None}
+    for r, (want, got) in checks.items():
+        out[f"engine/weights_match/rank{r}"] = float(want == got)
+    if checks:
+        out["engine/weights_match"] = min(v for k, v in out.items() if "/rank" in k)
+    bad = {r: c for r, c in checks.items() if c[0] != c[1]}
+    if bad:
+        raise RuntimeError(
+            "after the weight sync, the vLLM engine of rank(s) " + ", ".join(map(str, bad))
+            + " does not hold that rank's weights (checksum engine != trainer: "
+            + "; ".join(f"rank {r}: {g} != {w}" for r, (w, g) in bad.items())
+            + "); its rollouts would come from other weights")
+    return out
 
 
 def engine_mismatch(backend, trajs: list[Trajectory], batch: Batch, old_BL: torch.Tensor
                     ) -> dict[str, float]:
-    """max |log π_engine − log π_old| over the sampled tokens of each rank's trajectories: the
-    engine that sampled them and the trainer that scores them hold the same weights, so
-    anything above float noise means a stale (or wrong) engine. Keys
-    rollout/logprob_diff_max and rollout/logprob_diff_max/rank<r>."""
+    """max |log π_engine − log π_old| over the sampled tokens of each rank's trajectories. The
+    engine that sampled them and the trainer that scores them hold the same weights
+    (`sync_engine` checks that exactly), so this is their numerical difference: float noise in
+    fp32 (~1e-6; more means a wrong engine), O(1e-2) in bf16, where it says nothing about the
+    weights. Keys rollout/logprob_diff_max and rollout/logprob_diff_max/rank<r>."""
     diff_BL = torch.where(batch.loss_mask.bool(), (batch.rollout_logprobs - old_BL).abs(),
                           torch.zeros(()))
     out = {"rollout/logprob_diff_max": float(diff_BL.max())}

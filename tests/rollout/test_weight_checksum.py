@@ -35,6 +35,12 @@ def test_any_changed_value_changes_the_checksum():
             changed[name].view(-1)[i] = torch.nextafter(t.view(-1)[i], torch.tensor(1e9))
             assert wc.state_checksum(changed) != base, (name, i)
     assert wc.state_checksum(_weights(seed=1)) != base
+    # one element a float step up, another one down: their bit patterns move by +1 and -1,
+    # which a plain sum of bit patterns would not see (the mix makes them not cancel)
+    q = w["q"].clone().view(-1)
+    q[0] = torch.nextafter(q[0], torch.tensor(1e9) * q[0].sign())  # |q0| up: bits + 1
+    q[1] = torch.nextafter(q[1], torch.tensor(0.0))  # |q1| down: bits - 1
+    assert wc.state_checksum(dict(w, q=q.view(8, 4))) != base
 
 
 def test_a_tied_weight_counts_once():
