@@ -560,7 +560,7 @@ def old_logprobs(run: Run, batch: Batch, trajs: list[Trajectory], clock: Clock, 
     first update's ratios are exactly 1 in bf16 too. The IG pass (rows rank::world, gathered
     back) runs the trajectories for its KV cache anyway, but groups them otherwise (padded
     batches of ig_batch_size), so its token log-probs are not used: IG methods pay one more
-    forward over the batch (bench/toy_update.py measures it). Without IG and with
+    forward over the batch (bench/old_logprob_cost.py measures it). Without IG and with
     old_logprobs engine: the engine's own log-probs of the sampled tokens, no pass (exact only
     up to float noise; see TrainSettings.old_logprobs)."""
     cfg, backend = run.cfg, run.backend

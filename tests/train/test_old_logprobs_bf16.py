@@ -105,12 +105,17 @@ def make_run(method_id: str, model, schedule: ScheduleConfig, lr: float) -> rl.R
 
 
 def update_calls(method_id: str, schedule: ScheduleConfig, monkeypatch, *, lr: float = 1e-2,
-                 logit_scale: float = 10.0) -> list[tuple[int, dict, dict]]:
+                 logit_scale: float = 10.0, checkpointing: bool = False
+                 ) -> list[tuple[int, dict, dict]]:
     """rl.train_step on `schedule.prompts_per_step` questions' trajectories; per policy_loss
     call (one per micro-batch): the number of optimizer steps before it, its keyword arguments
     and its diagnostics."""
     trajs = trajectories(schedule.prompts_per_step)
-    run = make_run(method_id, bf16_model(logit_scale), schedule, lr)
+    model = bf16_model(logit_scale)
+    if checkpointing:  # as train.gradient_checkpointing sets it (config/paper.yaml)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    run = make_run(method_id, model, schedule, lr)
     calls = []
     real = update.policy_loss
 
@@ -155,6 +160,14 @@ def test_first_update_ratios_are_exactly_one_in_bf16(method_id, split, monkeypat
              if steps == 0]
     assert len(first) >= 2  # the first mini-batch's rows went into several micro-batches
     for kw, diag in first:
+        assert_on_policy(kw, diag)
+
+
+def test_gradient_checkpointing_keeps_the_first_update_on_policy(monkeypatch):
+    """The update recomputes each layer in backward; its forward values are the old pass's."""
+    schedule = ScheduleConfig(steps=1, prompts_per_step=2, mini_batch_prompts=1, **TOKENS_60)
+    calls = update_calls("a2tgpo", schedule, monkeypatch, checkpointing=True)
+    for _, kw, diag in [c for c in calls if c[0] == 0]:
         assert_on_policy(kw, diag)
 
 
