@@ -84,7 +84,7 @@ def per_turn_gap(batch, a_BL, b_BL) -> torch.Tensor:
 
 def first_forward(model, batch, schedule, seed):
     """log π of every token as the update's first forwards compute it (with gradients)."""
-    from a2tgpo.train.update import mini_batch_rows, micro_batches, row_length, token_logprobs
+    from a2tgpo.train.update import micro_batches, mini_batch_rows, row_length, token_logprobs
 
     out = torch.zeros(batch.input_ids.shape)
     lengths = dict(enumerate(batch.attention_mask.sum(1).tolist()))
@@ -138,11 +138,11 @@ def main() -> None:
         model = model_for(args.hidden, args.layers, dtype)
         backend = SingleBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0)
 
-        def before():
+        def before(model=model):
             return score_gold_logprobs(model, inputs, probes, batch_size=16,
                                        token_logprobs=True)
 
-        def now():
+        def now(model=model, backend=backend):
             score_gold_logprobs(model, inputs, probes, batch_size=16, token_logprobs=False)
             return update_logprobs(backend, batch, schedule, seed=0)[1]
 
