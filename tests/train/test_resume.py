@@ -127,6 +127,11 @@ def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
 
     rows_a, rows_b = _step_rows(runs["straight"]), _step_rows(runs["killed"])
     assert sorted(rows_a) == sorted(rows_b) == list(range(STEPS + 1))
+    # what the killed job logged after the checkpoint the rerun resumed from was cut, not
+    # logged a second time (its newest checkpoint, at least, came after its row)
+    assert [r["step"] for r in read_metrics(runs["killed"])] == list(range(STEPS + 1))
+    assert read_metrics(runs["killed"], "rollouts.jsonl") == \
+        read_metrics(runs["straight"], "rollouts.jsonl")
     for step in rows_a:
         assert rows_a[step] == rows_b[step], f"step {step} metrics differ"
     assert (runs["straight"] / "summary.json").read_text() == \

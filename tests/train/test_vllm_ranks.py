@@ -16,6 +16,7 @@ largest difference seen here was 6e-6 (both engines, every step and rank), so TO
 (checked below; 13 here), so a stale engine cannot pass.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -42,6 +43,7 @@ from a2tgpo.model.backbone import load_model, load_tokenizer  # noqa: E402
 from a2tgpo.tracking import read_metrics  # noqa: E402
 from a2tgpo.train.checkpoint import COMPLETE, latest_checkpoint  # noqa: E402
 from a2tgpo.train.config import ScheduleConfig  # noqa: E402
+from a2tgpo.train.preemption import EXIT_PREEMPTED  # noqa: E402
 from a2tgpo.train.rl import train  # noqa: E402
 from a2tgpo.train.update import token_logprobs  # noqa: E402
 
@@ -56,12 +58,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(toy_train_config, run_dir, *, steps, engine="vllm", backend="deepspeed"):
+def _config(toy_train_config, run_dir, *, steps, engine="vllm", backend="deepspeed",
+            save_every=1):
     method = dataclasses.replace(METHODS["grpo"], rollout=dataclasses.replace(
         METHODS["grpo"].rollout, n=4))
     schedule = ScheduleConfig(steps=steps, prompts_per_step=2, mini_batch_prompts=1,
                               micro_batch_size=2, eval_every=steps, eval_questions=2,
-                              save_every=1)
+                              save_every=save_every)
     cfg = toy_train_config(run_dir, method, schedule=schedule, backend=backend, engine=engine,
                            engine_kv_cache_gb=0.5, lr=3e-3)
     # the toy model's context (vLLM refuses a longer max_model_len)
@@ -157,3 +160,119 @@ def test_one_process_engine_log_probs_match_the_trainer(toy, toy_train_config, t
     diffs = [r["rollout/logprob_diff_max"] for r in rows if "rollout/logprob_diff_max" in r]
     print(f"{engine}: max |log π_engine − log π_old| per step: {diffs}")
     assert len(diffs) == 2 and max(diffs) <= TOL
+
+
+# --------------------------------------------------------------------------------------------
+# SIGTERM to every process of the job, as SLURM sends it (preemption, requeue, the time-limit
+# warning): the launcher, both ranks, their resource trackers, vLLM engine cores and workers.
+# The job must checkpoint and exit 75, however the moment falls, and its rerun must end where an
+# uninterrupted job ends. Checkpoints only where a stop (or the end) saves one, so a crash, which
+# resumes from the checkpoint before, would lose finished steps and log them twice.
+
+STOP_STEPS = 4
+STOP_WAIT_S = 300  # from the signal to the job's exit; past it the job hangs
+PAUSED_JOB = Path(__file__).with_name("paused_job.py")
+
+
+def _job(cfg_path: Path, *, pause: str | None = None) -> tuple[int, str, list[str]]:
+    """One 2-rank `a2tgpo launch` job (the DAG's launcher) of tests/train/paused_job.py. With
+    `pause` ("<phase>:<step>"), once both ranks wait at that moment, SIGTERM to every process
+    of the job. Returns the exit status, the output and the names of the processes signalled.
+    """
+    import psutil
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT", "A2TGPO_PAUSE")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    markers = []
+    if pause is not None:
+        folder = cfg_path.parent / f"pause-{pause.replace(':', '-')}"
+        folder.mkdir()
+        env.update(A2TGPO_PAUSE=pause, A2TGPO_PAUSE_DIR=str(folder))
+        markers = [folder / f"{pause.split(':')[0]}.rank{r}" for r in (0, 1)]
+    cmd = [sys.executable, "-m", "a2tgpo.cli", "launch", "--nproc", "2", "--",
+           sys.executable, str(PAUSED_JOB), "train", str(cfg_path)]
+    log = cfg_path.with_name(f"{cfg_path.stem}-{pause or 'run'}.log".replace(":", "-"))
+    signalled = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900
+            while markers and not all(m.exists() for m in markers):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the job never reached {pause} (status {proc.poll()}):\n"
+                                f"{log.read_text()[-4000:]}")
+                time.sleep(0.2)
+            if markers:
+                job = psutil.Process(proc.pid)
+                for p in [job, *job.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        name = p.name()
+                        p.send_signal(signal.SIGTERM)
+                        signalled.append(name)
+            try:
+                proc.wait(timeout=STOP_WAIT_S if markers else 900)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the job did not end within {STOP_WAIT_S} s of SIGTERM (hung):\n"
+                            f"{log.read_text()[-6000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # anything left, engines included
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, log.read_text(), signalled
+
+
+def _logged(run_dir: Path) -> dict[int, dict]:
+    """Each step's logged values, without wall-clock ones, checked to be logged once (a
+    validation a stop cut short is finished by the rerun in a row of its own)."""
+    steps: dict[int, dict] = {}
+    for row in read_metrics(run_dir):
+        values = {k: v for k, v in row.items() if k not in ("step", "time")}
+        again = set(values) & set(steps.setdefault(row["step"], {}))
+        assert not again, f"step {row['step']}: {sorted(again)[:5]} logged twice"
+        steps[row["step"]].update(values)
+    return {step: {k: v for k, v in values.items()
+                   if not k.startswith(("time/", "throughput/", "val/seconds"))}
+            for step, values in steps.items()}
+
+
+def test_sigterm_to_every_process_checkpoints_exits_75_and_resumes_exactly(
+        toy, toy_train_config, tmp_path):
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name in ("straight", "stopped"):
+        cfg = _config(toy_train_config, tmp_path / name / "run", steps=STOP_STEPS,
+                      save_every=STOP_STEPS + 1)
+        dump_config(cfg, tmp_path / name / "cfg.yaml")
+        runs[name] = tmp_path / name
+    status, out, _ = _job(runs["straight"] / "cfg.yaml")
+    assert status == 0, out[-6000:]
+
+    run = runs["stopped"] / "run"
+    # 1. during step 3's rollout, as its first wave asks the engines (paused_job.py): the step
+    # is abandoned and the stop saves step 2 (a crash would resume from step 0, steps 1-2 lost)
+    # 2. the rerun: during step 4's update (step 3 done, not saved): step 4 ends and is saved
+    for pause, saved in (("rollout:3", 2), ("update:4", 4)):
+        status, out, signalled = _job(runs["stopped"] / "cfg.yaml", pause=pause)
+        assert signalled.count("VLLM::EngineCore") == signalled.count("VLLM::Worker") == 2, \
+            signalled
+        assert status == EXIT_PREEMPTED, f"{pause}: exit {status}\n{out[-6000:]}"
+        assert "stopping for" in out, out[-6000:]
+        assert latest_checkpoint(run).name == f"step_{saved:06d}", out[-6000:]
+        assert sorted(_logged(run)) == list(range(saved + 1)), pause
+    # the rerun validates step 4 (the stop cut its validation short) and writes the summary
+    status, out, _ = _job(runs["stopped"] / "cfg.yaml")
+    assert status == 0, out[-6000:]
+
+    # no finished step lost or logged twice, and the same run as the uninterrupted one
+    assert sorted(_logged(run)) == list(range(STOP_STEPS + 1))
+    assert _logged(run) == _logged(runs["straight"] / "run")
+    assert read_metrics(run, "rollouts.jsonl") == read_metrics(runs["straight"] / "run",
+                                                               "rollouts.jsonl")
+    weights = [load_file(latest_checkpoint(r / "run") / "model" / "model.safetensors")
+               for r in (runs["straight"], runs["stopped"])]
+    assert latest_checkpoint(run).name == f"step_{STOP_STEPS:06d}"
+    assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []
