@@ -97,6 +97,17 @@ def first_forward(model, batch, schedule, seed):
     return out
 
 
+def planned_tokens(batch, schedule, seed) -> int:
+    """rows x length of every micro-batch `update_logprobs` runs (padding included)."""
+    from a2tgpo.train.update import micro_batches, mini_batch_rows, row_length
+
+    lengths = dict(enumerate(batch.attention_mask.sum(1).tolist()))
+    return sum(len(mb) * row_length(batch, mb)
+               for rows in mini_batch_rows(batch.group_ids, schedule, seed)[0]
+               for mb in micro_batches(lengths, rows, 1, max_rows=schedule.micro_batch_size,
+                                       max_tokens=schedule.micro_batch_tokens)[0])
+
+
 def timed(fn, reps: int):
     fn()  # warm-up
     times = []
@@ -134,6 +145,13 @@ def main() -> None:
           f"(longest {batch.input_ids.shape[1]}), Qwen3 hidden {args.hidden} x {args.layers} "
           f"layers, micro_batch_tokens {args.budget}, ig_batch_size 16, "
           f"{torch.get_num_threads()} thread(s)")
+    ig = score_gold_logprobs(model_for(64, 1, torch.float32), inputs, probes, batch_size=16,
+                             token_logprobs=False)[2]
+    extra = planned_tokens(batch, schedule, seed=0)
+    ratio = (ig["padded_tokens"] + extra) / ig["padded_tokens"]
+    print(f"forward tokens, padding included: the IG pass {ig['padded_tokens']} (its "
+          f"trajectory forward and its probe forward), update_logprobs {extra} (the batch's "
+          f"{ig['trajectory_tokens']} tokens in micro-batches): now / before x{ratio:.2f}")
     for dtype in (torch.float32, torch.bfloat16):
         model = model_for(args.hidden, args.layers, dtype)
         backend = SingleBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), 0.0)
