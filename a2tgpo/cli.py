@@ -373,13 +373,37 @@ def cmd_evaluate(args) -> int:
         return 1
 
 
+def _snakemake_dry_run(argv: list[str]) -> bool:
+    """Whether Snakemake reads `argv` as a dry run (-n, --dry-run, --dryrun, or n among combined
+    short flags such as -pn). Snakemake's own parser answers, so every spelling it accepts
+    counts. Raises ValueError for arguments it refuses; -h and --version print Snakemake's
+    answer and raise SystemExit, as `snakemake` does."""
+    from snakemake.cli import get_argument_parser
+
+    parser = get_argument_parser()
+
+    def refuse(message):
+        raise ValueError(message)
+
+    parser.error = refuse
+    return bool(parser.parse_args(argv).dryrun)
+
+
 def cmd_rerun(args) -> int:
     """Archive one cell's run, then let Snakemake retrain, re-evaluate it and refresh tables."""
     import os
     import subprocess
     import sys
 
-    from a2tgpo.grid import archive_run, archive_stamp, cells_of, match_cells, validate_grid
+    from a2tgpo.grid import (
+        archive_dir,
+        archive_run,
+        archive_stamp,
+        cells_of,
+        match_cells,
+        validate_grid,
+    )
+    from a2tgpo.lock import FolderBusy, folder_lock, in_use
     from a2tgpo.study import load_study
 
     study = load_study(args.configfile, args.overrides)
@@ -397,6 +421,7 @@ def cmd_rerun(args) -> int:
     cell = found[0]
     sets = [n for n in study.grid.default if cell in by_set[n]]
     root = str(study.root)
+    run_dir = study.root / "runs" / cell.path
     # the default tables if the cell is in a default set, else its own set's tables
     if sets:
         targets, refresh = [f"{root}/tables/main.md", f"{root}/plots"], ["tables",
@@ -407,14 +432,39 @@ def cmd_rerun(args) -> int:
         refresh = ["set_tables", "set_plots"]
     # forced explicitly: Snakemake does not rerun an existing target whose input was removed
     cmd = [sys.executable, "-m", "snakemake", *targets, "--configfile", args.configfile,
-           "--forcerun", f"{root}/runs/{cell.path}/summary.json", *refresh]
+           "--forcerun", f"{run_dir}/summary.json", *refresh]
     if args.overrides:
         cmd += ["--config", *args.overrides]
     cmd += args.snakemake_args
-    if args.dry_run:
-        print(f"would archive {root}/runs/{cell.path} and run: {' '.join(cmd)}")
-        return 0
-    moved = archive_run(root, cell, archive_stamp())
+    try:
+        dry_run = args.dry_run or _snakemake_dry_run(args.snakemake_args)
+    except ValueError as e:
+        print(f"a2tgpo rerun: Snakemake refuses the arguments after --: {e}; nothing was "
+              "moved", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # -h, --version: Snakemake has answered; there is nothing to run
+        return e.code if isinstance(e.code, int) else 0
+    if dry_run:
+        stamp = archive_stamp()
+        what = (f"would archive {run_dir} to {archive_dir(root, cell.path, stamp)}"
+                if run_dir.exists() else f"would archive nothing ({run_dir} does not exist)")
+        holder = in_use(run_dir)
+        if holder:
+            what += f"; refused now: the run folder is in use by {holder}"
+        if args.dry_run:
+            print(f"{what}\nwould run: {' '.join(cmd)}")
+            return 0
+        print(f"dry run, nothing is moved: {what}")
+        print("running: " + " ".join(cmd), flush=True)
+        return subprocess.call(cmd, env=os.environ.copy())
+    # under the run folder's lock: a job training the cell holds it, and no job starts on the
+    # folder while it moves
+    try:
+        with folder_lock(run_dir, "run folder"):
+            moved = archive_run(root, cell, archive_stamp())
+    except FolderBusy as e:
+        print(f"a2tgpo rerun: cell {cell.path}: {e}. Nothing was moved.", file=sys.stderr)
+        return 1
     print(f"cell {cell.path}: " + (f"previous run moved to {moved}" if moved
                                    else "no previous run"))
     print("running: " + " ".join(cmd), flush=True)
@@ -782,8 +832,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(backbone=, method=, beta=, seed=; omitted ones must be unambiguous), move its run "
         "folder to <results>/<study>/archive/<cell>/<time>/ (nothing is deleted), and run "
         "Snakemake for the tables: only that cell is retrained and re-evaluated, the tables "
-        "and plots are refreshed, every other cell is left as it is. Arguments after -- go "
-        "to Snakemake (e.g. -- --profile profiles/slurm).",
+        "and plots are refreshed, every other cell is left as it is. The folder moves under "
+        "its lock: while a job trains the cell, rerun refuses and names that job. Arguments "
+        "after -- go to Snakemake (e.g. -- --profile profiles/slurm); a Snakemake dry run "
+        "there (-- -n) moves nothing and says what a rerun would move.",
         epilog="example: a2tgpo rerun data=multi_hop method=a2tgpo beta=0.3 seed=1 -- --cores 2",
         formatter_class=fmt,
     )
@@ -792,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", dest="overrides", nargs="*", default=[],
                    help="dotted study-config overrides, passed to Snakemake as --config too")
     p.add_argument("-n", "--dry-run", action="store_true",
-                   help="print what would be archived and run")
+                   help="print what would be archived and run; move and run nothing")
     p.set_defaults(func=cmd_rerun, snakemake_args=[])
 
     p = sub.add_parser(

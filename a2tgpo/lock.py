@@ -57,7 +57,30 @@ def _describe(h: dict | None) -> str:
     if not h:
         return "another process (it left no record)"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.get("since", 0)))
-    return f"pid {h.get('pid')} on host {h.get('host')} since {since} ({h.get('command')})"
+    command = f" ({h['command']})" if h.get("command") else ""
+    return f"pid {h.get('pid')} on host {h.get('host')} since {since}{command}"
+
+
+def in_use(folder: str | Path) -> str | None:
+    """Who holds `folder`'s lock, described, or None when no other process does. For a look
+    that must change nothing (a dry run): it creates no file and records nothing, and holds a
+    shared lock only for the instant of the test."""
+    path = lock_file(folder)
+    if path in _held:
+        return None
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _describe(holder(folder))
+        except OSError:  # no locks on this file system: nothing can be known
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
 
 
 @contextlib.contextmanager

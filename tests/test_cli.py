@@ -56,3 +56,111 @@ def test_config_error_exit_code_and_message(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{cfg}: peeple: unknown key (did you mean 'people'?)" in err
     assert not (tmp_path / "w").exists()  # nothing written for an invalid config
+
+
+# --------------------------------------------------------------------------------------------
+# rerun: nothing destroys a live run
+
+# holds the run folder's lock as training does (rl._run_folder_lock), says so, then waits
+LOCK_HOLDER = """
+import sys, time
+from a2tgpo.lock import folder_lock
+with folder_lock(sys.argv[1], "run folder"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+CELL_SELECTORS = ["data=multi_hop", "method=a2tgpo", "beta=0.3", "seed=1"]
+CELL = "backbone~toy_reader/data~multi_hop/method~a2tgpo/beta~0.3/seed~1"
+
+
+@pytest.fixture
+def rerun_study(tmp_path, monkeypatch):
+    """The toy study with its results under tmp_path, one cell's run folder with a file in it,
+    and Snakemake replaced by a recorder: returns (rerun(*args) -> rc, run folder, calls)."""
+    import subprocess
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    results = tmp_path / "results"
+    run = results / "toy" / "runs" / CELL
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+
+    def rerun(*args):
+        return main(["rerun", *CELL_SELECTORS, "--config", f"results_dir={results}", *args])
+
+    return rerun, run, calls
+
+
+def test_rerun_refuses_a_run_folder_in_use_naming_the_holder(rerun_study, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    rerun, run, calls = rerun_study
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        assert rerun("--", "--cores", "2") == 1
+    finally:
+        p.kill()
+        p.wait()
+    err = capsys.readouterr().err
+    # the holder as the lock file records it: pid, host and its command (argv[:3]; for
+    # `python -c CODE RUN` that is "-c RUN")
+    assert f"cell {CELL}: run folder {run} is in use by pid {p.pid} on host " \
+           f"{socket.gethostname()} since " in err
+    assert f"(-c {run})" in err and "Nothing was moved." in err
+    assert (run / "metrics.jsonl").is_file() and not (run.parents[5] / "archive").exists()
+    assert calls == []  # Snakemake never started
+    # the holder gone (its lock with it), the same command moves the folder, then runs
+    assert rerun("--", "--cores", "2") == 0
+    assert not run.exists()
+    [moved] = (run.parents[5] / "archive" / CELL).iterdir()
+    assert (moved / "metrics.jsonl").is_file()
+    assert calls[0][-2:] == ["--cores", "2"]
+
+
+@pytest.mark.parametrize("flags", [["-n"], ["--dry-run"], ["--dryrun"], ["-pn"],
+                                   ["--cores", "2", "-kpn"]])
+def test_a_snakemake_dry_run_through_rerun_moves_nothing(rerun_study, capsys, flags):
+    rerun, run, calls = rerun_study
+    assert rerun("--", *flags) == 0
+    out = capsys.readouterr().out
+    assert f"dry run, nothing is moved: would archive {run} to " \
+           f"{run.parents[5] / 'archive' / CELL}/" in out
+    assert (run / "metrics.jsonl").is_file() and not (run.parents[5] / "archive").exists()
+    [cmd] = calls  # Snakemake's own dry run still shows the jobs the rerun would start
+    assert cmd[-len(flags):] == flags
+
+
+def test_rerun_dry_run_says_a_busy_folder_would_be_refused(rerun_study, capsys):
+    import subprocess
+    import sys
+
+    rerun, run, calls = rerun_study
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        assert rerun("--dry-run") == 0
+    finally:
+        p.kill()
+        p.wait()
+    out = capsys.readouterr().out
+    assert f"would archive {run} to " in out
+    assert f"refused now: the run folder is in use by pid {p.pid} on host" in out
+    assert calls == [] and (run / "metrics.jsonl").is_file()
+
+
+def test_rerun_refuses_snakemake_arguments_snakemake_refuses(rerun_study, capsys):
+    rerun, run, calls = rerun_study
+    # ambiguous to Snakemake (--dry-run or --dryrun): it would stop before running anything
+    assert rerun("--", "--dry") == 2
+    err = capsys.readouterr().err
+    assert "Snakemake refuses the arguments after --: ambiguous option: --dry" in err
+    assert "nothing was moved" in err
+    assert (run / "metrics.jsonl").is_file() and calls == []

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from a2tgpo.lock import FolderBusy, folder_lock, lock_file
+from a2tgpo.lock import FolderBusy, folder_lock, in_use, lock_file
 from a2tgpo.train.preemption import ANCHOR_ENV, anchor_alive, anchor_value, watch_anchor
 
 # holds the lock of argv[1], says so on stdout, then waits to be killed
@@ -83,6 +83,22 @@ def test_nested_holds_in_one_process_and_release_at_the_end(tmp_path):
     out = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(600)", "pass"),
                           str(run)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "held", out.stderr
+
+
+def test_in_use_names_the_holder_and_changes_nothing(tmp_path, holder):
+    # a dry run's look: no lock file is created where none was, none is taken or rewritten
+    run = tmp_path / "runs" / "cell"
+    assert in_use(run) is None
+    assert not lock_file(run).parent.exists()
+    p = holder(run)
+    record = lock_file(run).read_text()
+    assert in_use(run).startswith(f"pid {p.pid} on host {socket.gethostname()} since ")
+    assert lock_file(run).read_text() == record
+    p.kill()
+    p.wait()
+    assert in_use(run) is None  # the kernel dropped the dead holder's lock
+    with folder_lock(run):  # this process's own lock is no other process's
+        assert in_use(run) is None
 
 
 # --------------------------------------------------------------------------------------------
