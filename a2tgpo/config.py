@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import types
 import typing
@@ -34,6 +35,21 @@ _MISSING = dataclasses.MISSING
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and the dotted key."""
+
+
+class InvalidKey(ValueError):
+    """Raised by a config's `__post_init__` about one of its keys: the loader reports it under
+    that key's dotted path (`key` may itself be dotted or indexed: "rollout.topk",
+    "train[1].repo")."""
+
+    def __init__(self, key: str, msg: str):
+        super().__init__(f"{key}: {msg}")
+        self.key, self.msg = key, msg
+
+
+# seeds reach numpy's legacy seeding (vLLM's LLM(seed=), Optuna's grid sampler), which takes
+# 0 <= seed < 2**32; torch.manual_seed takes more, random.Random any int
+SEED_LIMIT = 2**32
 
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
@@ -91,6 +107,10 @@ def _fail(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path or '<root>'}: {msg}")
 
 
+class _NotFinite(ConfigError):
+    """A float key given inf or NaN (kept apart so that `float | None` reports it as such)."""
+
+
 def _check_bounds(bounds: dict, value: Any, source: str, path: str) -> None:
     """Every number in `value` (a number, or the numbers of a list or mapping) within range."""
     if isinstance(value, bool) or value is None:
@@ -105,9 +125,11 @@ def _check_bounds(bounds: dict, value: Any, source: str, path: str) -> None:
         return
     if not isinstance(value, (int, float)):
         return
-    broken = [f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
+    broken = [k for k, b in bounds.items() if not _BOUNDS[k][1](value, b)]
     if broken or value != value:  # NaN compares false with every bound
-        need = " and ".join(f"{_BOUNDS[k][0]} {b:g}" for k, b in bounds.items()) or "a number"
+        # ints exactly (a seed's 2**32 is not 4.29497e+09)
+        need = " and ".join(f"{_BOUNDS[k][0]} {b if isinstance(b, int) else f'{b:g}'}"
+                            for k, b in bounds.items()) or "a number"
         raise _fail(source, path, f"{value!r} is out of range: must be {need}")
 
 
@@ -120,6 +142,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
                 return _convert(arg, value, source, path)
             except ConfigError as e:
                 errors.append(e)
+        for e in errors:  # the float branch's reason is more precise than the type list
+            if isinstance(e, _NotFinite):
+                raise e
         raise _fail(source, path, f"expected {_type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:
@@ -138,11 +163,17 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
             return value
         raise _fail(source, path, f"expected int, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         # YAML 1.1 (PyYAML) reads 1e-6 (no dot) as a string; accept it where a float is due
-        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-            return float(value)
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                or isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip())):
+            try:
+                out = float(value)
+            except OverflowError:  # an int beyond the float range
+                out = math.inf
+            # no key means "unbounded" by .inf, and NaN passes every comparison a job makes
+            if not math.isfinite(out):
+                raise _NotFinite(str(_fail(source, path, f"{value!r} is not a finite number")))
+            return out
         raise _fail(source, path, f"expected float, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -204,12 +235,87 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
             raise _fail(source, where, f"missing required key ({f.metadata.get('doc', '')})")
     try:
         return cls(**kwargs)
+    except InvalidKey as e:
+        key = e.key if not path else f"{path}{e.key}" if e.key.startswith("[") else \
+            f"{path}.{e.key}"
+        raise _fail(source, key, e.msg) from e
     except (ValueError, TypeError) as e:  # __post_init__ cross-field checks
         raise _fail(source, path, str(e)) from e
 
 
 # --------------------------------------------------------------------------------------------
 # files and overrides
+
+
+class DuplicateKey(ValueError):
+    """A YAML mapping sets one key twice (PyYAML would keep the last value silently)."""
+
+    def __init__(self, key: str, line: int, first: int):
+        super().__init__(f"line {line}: {key}: duplicate key (first set at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+@functools.cache
+def _strict_loader() -> type:
+    """yaml's safe loader, but a key set twice in one mapping is an error. Merge keys (`<<:`)
+    still work: the keys they bring in may be overridden, as YAML defines."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    merge_tag = "tag:yaml.org,2002:merge"
+
+    class StrictLoader(base):  # type: ignore[misc, valid-type]
+        def construct_document(self, node):
+            self._key_paths = _key_paths(node)
+            return super().construct_document(node)
+
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}  # key -> line it was first set on
+            for key_node, _ in node.value:  # before the merge keys are expanded
+                merge = key_node.tag == merge_tag
+                key = "<<" if merge else self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get((merge, key))
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    where = self._key_paths.get(id(node), "")
+                    raise DuplicateKey(f"{where}.{key}" if where else str(key), line, first)
+                seen[(merge, key)] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _key_paths(root: Any) -> dict[int, str]:
+    """Dotted path of every mapping node under `root` (id -> "a.b[2].c"), for error messages."""
+    import yaml
+
+    paths: dict[int, str] = {}
+    todo = [(root, "")]
+    while todo:  # depth first in document order: an anchor comes before its aliases
+        node, path = todo.pop()
+        if id(node) in paths:  # an alias: named where its anchor is
+            continue
+        paths[id(node)] = path
+        if isinstance(node, yaml.MappingNode):
+            children = [(v, f"{path}.{k.value}" if path else str(k.value))
+                        for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(node.value)]
+        else:
+            continue
+        todo.extend(reversed(children))
+    return paths
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML like yaml.safe_load, except that a duplicate key raises DuplicateKey: every
+    config file and override of the project is read through here."""
+    import yaml
+
+    return yaml.load(text, Loader=_strict_loader())  # a SafeLoader subclass
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -220,7 +326,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r}: expected dotted.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        raise ConfigError(f"override {text!r}: {key}.{e.key}: duplicate key") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from e
     return key.split("."), value
@@ -259,7 +367,10 @@ def read_yaml(path: str | Path) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
+    except DuplicateKey as e:
+        raise ConfigError(f"{path}: line {e.line}: {e.key}: duplicate key (first set at line "
+                          f"{e.first}; YAML would keep the last value silently)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if data is None:

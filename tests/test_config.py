@@ -161,7 +161,6 @@ class Ranged:
     ({"steps": 0}, "r.steps: 0", "must be >= 1"),
     ({"share": 0}, "r.share: 0.0", "must be > 0 and <= 1"),
     ({"share": 1.5}, "r.share: 1.5", "must be > 0 and <= 1"),
-    ({"share": float("nan")}, "r.share: nan", "must be > 0 and <= 1"),
     ({"betas": [0.3, -0.1]}, r"r.betas\[1\]: -0.1", "must be >= 0"),
     ({"splits": {"train": 3, "dev": -1}}, "r.splits.dev: -1", "must be >= 0"),
     ({"limit": 0}, "r.limit: 0", "must be >= 1"),
@@ -169,6 +168,31 @@ class Ranged:
 def test_numbers_out_of_range_name_the_key_and_the_range(data, where, need):
     with pytest.raises(ConfigError, match=rf"^c.yaml: {where} is out of range: {need}$"):
         from_dict(Ranged, data, source="c.yaml", path="r")
+
+
+@pytest.mark.parametrize("text, where, value", [
+    ("name: a\ninner: {lr: .inf}\n", "inner.lr", "inf"),
+    ("name: a\ninner: {lr: -.inf}\n", "inner.lr", "-inf"),
+    ("name: a\ninner: {lr: .nan}\n", "inner.lr", "nan"),
+    ("name: a\nbetas: [0.1, .NaN]\n", r"betas\[1\]", "nan"),
+    ("name: a\ninner: {lr: 1e999}\n", "inner.lr", "'1e999'"),  # a string YAML 1.1 leaves
+    ("name: a\ninner: {lr: 1" + "0" * 400 + "}\n", "inner.lr", "1" + "0" * 400),  # > max float
+])
+def test_a_float_key_refuses_inf_and_nan(tmp_path, text, where, value):
+    # no key reads inf as "unbounded", and NaN passes every comparison a job makes
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{p}: {where}: {value} is not a finite number$"):
+        load_config(Outer, p)
+    # with bounds and in a `float | None` union alike (not "expected float or null")
+    with pytest.raises(ConfigError, match=r"^c\.yaml: r\.share: nan is not a finite number$"):
+        from_dict(Ranged, {"share": float("nan")}, source="c.yaml", path="r")
+    with pytest.raises(ConfigError, match=r"^c\.yaml: r\.x: inf is not a finite number$"):
+        from_dict(MaybeFloat, {"x": float("inf")}, source="c.yaml", path="r")
+
+
+@dataclass(frozen=True)
+class MaybeFloat:
+    x: float | None = option(None, "optional float")
 
 
 def test_numbers_in_range_and_null_pass_and_the_schema_carries_the_range():
@@ -260,3 +284,57 @@ def test_a_partial_nested_mapping_keeps_the_fields_own_default():
     # a class without such defaults is unchanged
     assert from_dict(Outer, {"name": "x", "inner": {"mode": "token"}}).inner == Inner(
         lr=1e-6, mode="token")
+
+
+# --------------------------------------------------------------------------------------------
+# strict YAML
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("name: a\nsteps: 12\nsteps: 3\n", 3, "steps", 2),
+    # a second block of a section would reset the keys the first one set
+    ("name: a\ninner:\n  lr: 0.5\nsteps: 1\ninner:\n  mode: token\n", 5, "inner", 2),
+    ("name: a\ninner:\n  lr: 0.5\n  mode: token\n  lr: 2\n", 5, "inner.lr", 3),
+    ("name: a\ninner: {lr: 1, lr: 2}\n", 2, "inner.lr", 2),
+    ("name: a\nitems:\n  - {lr: 1}\n  - {mode: turn, lr: 1, mode: token}\n", 4,
+     r"items\[1\].mode", 4),
+    ("name: a\ntable: {'x': 1, x: 2}\n", 2, "table.x", 2),  # quoting does not make it another
+])
+def test_a_duplicate_key_is_an_error_naming_file_line_and_dotted_key(tmp_path, text, line,
+                                                                      key, first):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{p}: line {line}: {key}: duplicate key \(first "
+                                          rf"set at line {first};"):
+        load_config(Outer, p)
+
+
+def test_merge_keys_still_work_and_may_be_overridden(tmp_path):
+    # `<<:` brings in the anchored keys; a key written beside it wins (YAML's merge rule),
+    # which is not a duplicate
+    p = write(tmp_path, "name: a\nitems:\n  - &base {lr: 0.5, mode: token}\n"
+                        "  - {<<: *base, lr: 2}\n")
+    assert load_config(Outer, p).items == (Inner(lr=0.5, mode="token"),
+                                           Inner(lr=2.0, mode="token"))
+
+
+def test_a_duplicate_key_inside_an_override_value_is_an_error(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(ConfigError, match=r"override 'inner=\{lr: 1, lr: 2\}': inner\.lr: "
+                                          r"duplicate key"):
+        load_config(Outer, p, ["inner={lr: 1, lr: 2}"])
+
+
+def test_every_yaml_file_of_the_project_is_read_strictly():
+    # one strict reader (a2tgpo.config.yaml_load): any other yaml.load/safe_load in the
+    # package or the workflow would read a duplicate key silently again
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "a2tgpo").rglob("*.py"), *(root / "workflow").rglob("*.smk"),
+             root / "Snakefile"]
+    loose = [f"{f.relative_to(root)}:{i}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1)
+             if re.search(r"yaml\.(safe_load|load|full_load|unsafe_load)(_all)?\(", line)
+             and "Loader=_strict_loader()" not in line]
+    assert not loose, loose

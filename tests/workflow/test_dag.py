@@ -67,6 +67,20 @@ def test_invalid_config_fails_before_any_job(workdir, override, needle):
     assert not (workdir / "results").exists()
 
 
+def test_a_duplicate_key_in_a_config_file_fails_before_any_job(workdir):
+    # Snakemake's own YAML loader keeps the last block: this one would reset the study's
+    # retrieval section to its defaults (and re-encode the index)
+    cfg = workdir / "config/config.yaml"
+    lines = cfg.read_text().splitlines()
+    first = lines.index("retrieval:") + 1
+    cfg.write_text("\n".join(lines + ["retrieval:", "  topk: 3"]) + "\n")
+    r = smk(workdir, "-n")
+    assert r.returncode != 0
+    assert (f"invalid config: config/config.yaml: line {len(lines) + 1}: retrieval: duplicate "
+            f"key (first set at line {first};") in r.stdout + r.stderr, r.stderr
+    assert not (workdir / "results").exists()
+
+
 def test_nested_config_values_reach_the_study_typed(workdir):
     # the README's example: the lr given inside a mapping value on the command line
     r = smk(workdir, "-n", "--config", "train={'optim': {'lr': 3e-4}, 'schedule': {'steps': 5}}",

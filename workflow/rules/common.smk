@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import a2tgpo.study as study_lib
-from a2tgpo.config import ConfigError, parse_override, to_dict
+from a2tgpo.config import ConfigError, parse_override, read_yaml, to_dict
 from a2tgpo.study import study_from_dict
 
 
@@ -39,6 +39,9 @@ def _config_source():
 
 
 try:
+    # Snakemake's own YAML loader keeps the last of a key set twice: the strict one refuses
+    for _file in workflow.configfiles:
+        read_yaml(_file)
     _typed_config_args()
     STUDY = study_from_dict(config, source=_config_source())
     CHECKS = study_lib.check_study(STUDY, _config_source(), plan=workflow.is_main_process)
