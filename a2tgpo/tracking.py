@@ -54,7 +54,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from a2tgpo.config import from_dict, option, to_dict
-from a2tgpo.io import atomic_write_json, atomic_write_text
+from a2tgpo.io import atomic_write_json, atomic_write_text, cut_unfinished_line, iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / METRICS_FILE
-        _drop_partial_line(path)
+        cut_unfinished_line(path)
         self._jsonl = open(path, "a")
         if "SLURM_JOB_ID" in os.environ:
             self.tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
@@ -500,7 +500,14 @@ class Tracker:
         """tracker.json: what this job logs besides its metrics, merged with what earlier jobs
         in out_dir logged (a resumed job, or a sweep's run created before its training): tags
         by the newest value, params by the first, as MLflow keeps them."""
-        old = _read_record(self.out_dir) or {}
+        try:
+            old = _read_record(self.out_dir) or {}
+        except ValueError as e:  # a side file of tracking must not stop the job
+            aside = self.out_dir / (RECORD_FILE + ".damaged")
+            os.replace(self.out_dir / RECORD_FILE, aside)
+            log.warning("%s; moved to %s: this job starts a new record, so `sync` will not "
+                        "replay the earlier jobs' tags, params and artifacts", e, aside)
+            old = {}
         here = self.out_dir.resolve()
         config = self.config_file and os.path.relpath(self.config_file.resolve(), here)
         self._record = {
@@ -748,9 +755,10 @@ def sync(paths: Iterable[str | Path], *, tracking_uri: str | None = None,
     answer raises TrackingUnreachable; a job that fails is reported and the rest go on.
     """
     report = SyncReport()
-    jobs, unrecorded = _find_jobs(paths)
+    jobs, unrecorded, damaged = _find_jobs(paths)
     why = f"{METRICS_FILE} without {RECORD_FILE} (its job kept no record of its tags and params)"
     report.skipped += [(folder, why) for folder in unrecorded]
+    report.failed += damaged
     for folder, record in jobs:
         try:
             tracker = _replay(folder, record, tracking_uri, experiment)
@@ -766,8 +774,10 @@ def sync(paths: Iterable[str | Path], *, tracking_uri: str | None = None,
     return report
 
 
-def _find_jobs(paths: Iterable[str | Path]) -> tuple[list[tuple[Path, dict]], list[Path]]:
-    """([(job folder, its record)] with attached jobs last, [folders with metrics only])."""
+def _find_jobs(paths: Iterable[str | Path]) -> tuple[list[tuple[Path, dict]], list[Path],
+                                                     list[tuple[Path, str]]]:
+    """([(job folder, its record)] with attached jobs last, [folders with metrics only],
+    [(job folder, why its record cannot be read)])."""
     folders: dict[Path, Path] = {}
     unrecorded: dict[Path, Path] = {}
     for path in map(Path, paths):
@@ -778,9 +788,14 @@ def _find_jobs(paths: Iterable[str | Path]) -> tuple[list[tuple[Path, dict]], li
         for f in sorted(path.rglob(METRICS_FILE)):
             if not (f.parent / RECORD_FILE).exists():
                 unrecorded.setdefault(f.parent.resolve(), f.parent)
-    jobs = [(folder, _read_record(folder)) for folder in folders.values()]
+    jobs, damaged = [], []
+    for folder in folders.values():
+        try:
+            jobs.append((folder, _read_record(folder)))
+        except (OSError, ValueError) as e:  # one damaged record does not stop the others
+            damaged.append((folder, str(e)))
     jobs.sort(key=lambda job: bool(job[1]["attach"]))  # stable: paths order otherwise
-    return jobs, list(unrecorded.values())
+    return jobs, list(unrecorded.values()), damaged
 
 
 def _replay(folder: Path, record: Mapping[str, Any], tracking_uri: str | None,
@@ -817,60 +832,53 @@ def _read_link(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+# what `_replay` reads from a record (the Tracker writes them all)
+_RECORD_KEYS = ("study", "run_name", "attach", "run_dir", "results_dir", "tracking", "tags",
+                "params", "config_file", "artifacts")
+
+
 def _read_record(folder: Path) -> dict | None:
+    """`folder`'s tracker.json (None: there is none); ValueError naming the file when it is
+    damaged (not JSON, or not a record the Tracker writes)."""
     path = folder / RECORD_FILE
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Cut a last line a killed writer left without its newline, so appends start clean."""
-    if not path.exists():
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            log.warning("%s: dropping a truncated last line (%d bytes)", path, len(data) - keep)
-            f.truncate(keep)
+        record = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{path}: damaged: not valid JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: damaged: a JSON {type(record).__name__}, not an object")
+    missing = [k for k in _RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"{path}: damaged: no {', '.join(missing)}")
+    return record
 
 
 def cut_after(path: str | Path, step: int | None) -> int:
     """Drop the rows of a JSON-lines step log (metrics.jsonl, rollouts.jsonl) logged for steps
-    after `step` (every row when None), and a truncated last line, atomically (a new file
-    renamed over the old one). A rerun resumes from step `step`'s checkpoint and logs the
-    later steps again; their first rows, from the job that went past the checkpoint, would be
-    a second record of them. Returns the number of rows dropped; no file is nothing to do.
+    after `step` (every row when None), atomically (a new file renamed over the old one), and
+    an unfinished last line (a killed writer's; its bytes go to `<path>.partial`). A rerun
+    resumes from step `step`'s checkpoint and logs the later steps again; their first rows,
+    from the job that went past the checkpoint, would be a second record of them. Returns the
+    number of rows dropped; no file is nothing to do.
 
     MLflow's record cannot be cut this way (a run's metric points are append-only): there a
     step the rerun repeats keeps both points."""
     path = Path(path)
     if not path.exists():
         return 0
-    lines = path.read_text().split("\n")
-    keep, dropped = [], 0
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:  # no newline after it: a killed writer's last line
-                dropped += 1
-                break
-            raise ValueError(f"{path}:{i + 1}: not valid JSON: {e}") from e
+    dropped = int(cut_unfinished_line(path) > 0)  # a killed writer's last line
+    rows = list(iter_jsonl(path))
+    for lineno, row in rows:
         if "step" not in row:
-            raise ValueError(f"{path}:{i + 1}: a row without \"step\"")
-        if step is not None and row["step"] <= step:
-            keep.append(line)
-        else:
-            dropped += 1
+            raise ValueError(f"{path}:{lineno}: a row without \"step\"")
+    keep = [n for n, row in rows if step is not None and row["step"] <= step]
+    if len(keep) < len(rows):
+        lines = path.read_bytes().split(b"\n")
+        atomic_write_text(path, "".join(lines[n - 1].decode() + "\n" for n in keep))
+        dropped += len(rows) - len(keep)
     if dropped:
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
         log.info("%s: dropped %d row(s) after %s (the resumed run logs them again)", path,
                  dropped, "the start" if step is None else f"step {step}")
     return dropped
@@ -879,22 +887,10 @@ def cut_after(path: str | Path, step: int | None) -> int:
 def read_metrics(run_dir: str | Path, name: str = METRICS_FILE) -> list[dict]:
     """The rows of `<run_dir>/metrics.jsonl`, in the order they were logged.
 
-    A truncated last line (a writer killed mid-line, or one still writing) is ignored with a
-    warning; a bad line anywhere else is corruption and raises ValueError. A resumed training
+    An unfinished last line (a writer killed mid-line, or one still writing) is skipped with a
+    warning naming the file and line; a bad line anywhere else is damage and raises
+    `a2tgpo.io.JsonLinesError` (a ValueError) naming the file and line. A resumed training
     job first cuts the rows after its checkpoint (`cut_after`), so a step appears once, or
     twice where the resumed job finished a validation the stop cut short (a row of its own).
     """
-    path = Path(run_dir) / name
-    lines = path.read_text().split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:  # no newline after it: the writer never finished it
-                log.warning("%s: ignoring a truncated last line", path)
-                break
-            raise ValueError(f"{path}:{i + 1}: not valid JSON: {e}") from e
-    return rows
+    return [row for _, row in iter_jsonl(Path(run_dir) / name)]

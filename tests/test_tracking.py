@@ -175,7 +175,7 @@ def test_killed_job_leaves_running_run_that_next_start_resumes(store, tmp_path, 
     killed._jsonl.close()
     assert client.get_run(killed.run_id).info.status == "RUNNING"
 
-    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+    with caplog.at_level(logging.WARNING):
         with tracker(run_dir, results, params={"beta": 0.2}) as t:
             t.log({"x": 1.0}, step=1)
     assert t.run_id == killed.run_id
@@ -184,7 +184,10 @@ def test_killed_job_leaves_running_run_that_next_start_resumes(store, tmp_path, 
     assert run.data.params["beta"] == "0.1"  # params are immutable: the first value stays
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     messages = " ".join(r.getMessage() for r in tracking_warnings(caplog))
-    assert "truncated last line" in messages and "keeps the first values of beta" in messages
+    assert "keeps the first values of beta" in messages
+    # the unfinished line was cut before the new rows, its 15 bytes kept beside the log
+    assert "metrics.jsonl:2: cut an unfinished last line (15 bytes" in caplog.text
+    assert (run_dir / "metrics.jsonl.partial").read_text() == '{"step": 1, "x"\n'
 
 
 def test_attach_logs_evaluation_into_the_training_run(store, tmp_path):
@@ -264,11 +267,21 @@ def test_failure_mid_run_warns_once_and_jsonl_goes_on(store, tmp_path, caplog, m
 def test_read_metrics_ignores_truncated_last_line_only(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1.0}\n{"step": 1, "x": 2.0}\n{"step": 2, "x"')
-    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.io"):
         assert read_metrics(tmp_path) == [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}]
-    assert len(tracking_warnings(caplog)) == 1
+    (warning,) = caplog.records
+    assert "metrics.jsonl:3: skipping an unfinished last line" in warning.getMessage()
+    # a line cut inside a UTF-8 character (the first byte of "é") is unfinished too
+    path.write_bytes(b'{"step": 0}\n{"q": "\xc3')
+    assert read_metrics(tmp_path) == [{"step": 0}]
     path.write_text('{"step": 0}\n{"step": 1\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not valid JSON"):
+        read_metrics(tmp_path)
+    path.write_text('{"step": 0}\n{"step": 1\n')  # a whole last line: damage, not a cut
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not valid JSON"):
+        read_metrics(tmp_path)
+    path.write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON object"):
         read_metrics(tmp_path)
 
 
@@ -281,6 +294,7 @@ def test_cut_after_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     assert cut_after(path, 2) == 3  # steps 3, 4 and the truncated line
     assert path.read_text() == ('{"step": 0}\n{"step": 1}\n{"step": 2, "x": 1}\n'
                                 '{"step": 2, "v": 1}\n')
+    assert (tmp_path / "metrics.jsonl.partial").read_text() == '{"step": 5, "x"\n'
     inode = path.stat().st_ino
     assert cut_after(path, 2) == 0 and path.stat().st_ino == inode  # nothing to cut: untouched
     assert cut_after(path, None) == 4 and path.read_text() == ""  # no checkpoint: all redone
@@ -523,6 +537,49 @@ def test_sync_adds_only_what_a_partly_logged_run_lacks(store, tmp_path, monkeypa
     assert history(client, t.run_id, "x") == [(0, 0.0), (1, 1.0), (2, 2.0)]  # step 0 once
     assert client.get_run(t.run_id).info.status == "FINISHED"
     assert "1 jobs synced into 1 runs (0 created), 2 points uploaded, 1 already there" in out
+
+
+def test_sync_reports_damaged_jobs_and_syncs_the_others(store, tmp_path, capsys):
+    """A tracker.json cut in half, one that is not a record, and a metrics.jsonl damaged in
+    the middle: each job is reported FAILED with its file (and line) and the command exits 1,
+    after syncing the healthy job."""
+    results, client = store
+    runs = tmp_path / "runs"
+    for name in ("cut", "list", "bad_metrics", "good"):
+        with tracker(runs / name, tmp_path, TrackingConfig(mlflow=False)) as t:
+            t.log({"x": 0.0}, step=0)
+            t.log({"x": 1.0}, step=1)
+    record = (runs / "cut" / "tracker.json").read_text()
+    (runs / "cut" / "tracker.json").write_text(record[: len(record) // 2])
+    (runs / "list" / "tracker.json").write_text("[]\n")
+    metrics = runs / "bad_metrics" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"x": 0.0', '"x": 0.'))  # line 1 of 2
+
+    uri = resolve_tracking_uri(TrackingConfig(), results)
+    assert main(["sync-mlflow", str(runs), "--tracking-uri", uri]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED   {runs / 'cut'}: {runs / 'cut' / 'tracker.json'}: damaged: not valid " \
+           "JSON" in out
+    assert f"FAILED   {runs / 'list'}: {runs / 'list' / 'tracker.json'}: damaged: a JSON " \
+           "list, not an object" in out
+    assert f"FAILED   {runs / 'bad_metrics'}: JsonLinesError: {metrics}:1: not valid JSON" in out
+    assert "1 jobs synced into 1 runs (1 created), 2 points uploaded" in out
+    assert out.rstrip().endswith("0 skipped, 3 failed")
+    run_id = json.loads((runs / "good" / RUN_LINK_FILE).read_text())["run_id"]
+    assert history(client, run_id, "x") == [(0, 0.0), (1, 1.0)]
+
+
+def test_a_damaged_record_is_moved_aside_and_the_job_goes_on(tmp_path, caplog):
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "tracker.json").write_text('{"study": "unit", "tags": {"a"')
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.tracking"):
+        with tracker(cell, tmp_path, TrackingConfig(mlflow=False)) as t:
+            t.log({"x": 0.0}, step=0)
+    assert (cell / "tracker.json.damaged").read_text() == '{"study": "unit", "tags": {"a"'
+    assert json.loads((cell / "tracker.json").read_text())["status"] == "FINISHED"
+    (warning,) = tracking_warnings(caplog)
+    assert f"{cell / 'tracker.json'}: damaged: not valid JSON" in warning.getMessage()
 
 
 def test_sync_stops_when_the_store_does_not_answer(tmp_path, capsys):
