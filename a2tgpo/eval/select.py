@@ -233,8 +233,9 @@ def write_best(cell_dir: str | Path, criterion: Criterion = "dev_em", *,
 
 
 def read_best(path: str | Path, cell_dir: str | Path) -> dict:
-    """Read and check a best.json: its checkpoint (relative to `cell_dir`) must be a model
-    directory inside a complete checkpoint. Adds "model_dir", the absolute path."""
+    """Read and check a best.json: its checkpoint (relative to `cell_dir`) must resolve, after
+    `..` and symlinks, inside `cell_dir` and be the model directory of a complete checkpoint.
+    Adds "model_dir", its path under `cell_dir`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such selection file; run `a2tgpo select <cell>` "
@@ -246,7 +247,18 @@ def read_best(path: str | Path, cell_dir: str | Path) -> dict:
     for key in ("criterion", "label", "step", "checkpoint"):
         if key not in best:
             raise SelectionError(f"{path}: missing key {key!r} (written by `a2tgpo select`?)")
-    model_dir = Path(cell_dir) / best["checkpoint"]
+    checkpoint = best["checkpoint"]
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise SelectionError(f"{path}: checkpoint: expected a path relative to the cell, got "
+                             f"{checkpoint!r}")
+    # the cell's own checkpoint, never another run's: '..', an absolute path or a symlink that
+    # leaves the folder would evaluate that run as this cell's result
+    model_dir = Path(cell_dir) / checkpoint
+    real, cell_real = model_dir.resolve(), Path(cell_dir).resolve()
+    if not real.is_relative_to(cell_real):
+        raise SelectionError(f"{path}: checkpoint: {checkpoint!r} resolves to {real}, outside "
+                             f"the cell's run folder {cell_real}; best.json names a checkpoint "
+                             "of its own cell (`a2tgpo select <cell>` writes one)")
     if not (model_dir.parent / "COMPLETE").is_file() or not model_dir.is_dir():
         raise SelectionError(f"{path}: checkpoint {best['checkpoint']!r} is not a complete "
                              f"checkpoint's model directory under {cell_dir}")

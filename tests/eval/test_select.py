@@ -197,6 +197,63 @@ def test_read_best_errors(tmp_path):
         read_best(cell / "best.json", cell)
 
 
+def _point_best_at(cell, checkpoint, step=10):
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": step, "checkpoint": checkpoint}))
+    return cell / "best.json"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_read_best_refuses_a_checkpoint_outside_the_cell(tmp_path, how):
+    # another run's complete step-10 checkpoint, which the cell itself never saved
+    cell = make_cell(tmp_path / "a", [[(0, 0.2)]], complete=(0,))
+    other = make_cell(tmp_path / "b", [[(10, 0.9)]], complete=(10,))
+    target = other / "checkpoints" / "step_000010" / "model"
+    if how == "dotdot":
+        checkpoint = "../../b/cell/checkpoints/step_000010/model"
+    elif how == "absolute":
+        checkpoint = str(target)
+    else:  # a path inside the cell whose folder is a link to the other run's checkpoint
+        (cell / "checkpoints" / "step_000010").symlink_to(target.parent)
+        checkpoint = "checkpoints/step_000010/model"
+    best = _point_best_at(cell, checkpoint)
+    with pytest.raises(SelectionError) as e:
+        read_best(best, cell)
+    assert str(e.value).startswith(
+        f"{best}: checkpoint: {checkpoint!r} resolves to {target.resolve()}, outside the cell's "
+        f"run folder {cell.resolve()}")
+
+
+def test_read_best_accepts_a_path_that_stays_in_the_cell(tmp_path):
+    cell = make_cell(tmp_path, [[(10, 0.5)]], complete=(0, 10))
+    best = _point_best_at(cell, "checkpoints/step_000000/../step_000010/model")
+    assert read_best(best, cell)["model_dir"].resolve() == \
+        (cell / "checkpoints" / "step_000010" / "model").resolve()
+
+
+def test_evaluate_refuses_another_runs_checkpoint(tmp_path, capsys):
+    """`a2tgpo evaluate --best` stops on such a best.json before it loads anything."""
+    import dataclasses
+    from pathlib import Path
+
+    from a2tgpo.config import dump_config
+    from a2tgpo.study import load_study, resolve_cell
+
+    root = Path(__file__).resolve().parents[2]
+    cell = make_cell(tmp_path / "a", [[(0, 0.2)]], complete=(0,))
+    make_cell(tmp_path / "b", [[(10, 0.9)]], complete=(10,))
+    study = load_study(root / "config/config.yaml", [f"backbones_dir={root}/config/backbones",
+                                                     f"methods_dir={root}/config/methods"])
+    cfg = resolve_cell(study, "backbone~toy_reader/data~multi_hop/method~grpo/beta~0/seed~1")
+    dump_config(dataclasses.replace(cfg, run_dir=str(cell)), cell / "config.yaml")
+    best = _point_best_at(cell, "../../b/cell/checkpoints/step_000010/model")
+    out = tmp_path / "eval"
+    assert main(["evaluate", str(cell / "config.yaml"), "--best", str(best), "--test",
+                 str(tmp_path / "none.parquet"), "--out", str(out)]) == 1
+    assert f"a2tgpo evaluate: error: {best}: checkpoint: " in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_select_command(tmp_path, capsys):
     cell = make_cell(tmp_path, [[(0, 0.2), (10, 0.5)]], complete=(0, 10))
     assert main(["select", str(cell)]) == 0
