@@ -285,13 +285,57 @@ def journal_path(directory: str | Path) -> Path:
 
 
 def open_storage(directory: str | Path):
-    """JournalStorage on <directory>/journal.log (symlink lock: parallel processes, NFS too)."""
+    """JournalStorage on <directory>/journal.log (symlink lock: parallel processes, NFS too).
+
+    A job killed while appending leaves an unfinished last line; Optuna skips it when reading
+    but appends the next operation to it, and the line glued together then fails every later
+    read ("Invalid log format"): the sweep could never be opened again. So the journal's own
+    lock, whenever it is taken (every append), first cuts such a line, keeping its bytes in
+    journal.log.partial (`a2tgpo.io.cut_unfinished_line`); and before Optuna reads the
+    journal, it is checked under that lock: a damaged line in the middle is a SweepError
+    naming the file and line.
+    """
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+    from optuna.storages.journal import JournalFileBackend
+
+    from a2tgpo.io import JsonLinesError, iter_jsonl
 
     path = journal_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path), JournalFileSymlinkLock(str(path))))
+    lock = _journal_lock(path)
+    if path.exists():
+        lock.acquire()  # the cut (in acquire), then the check, with no writer at work
+        try:
+            for _ in iter_jsonl(path):
+                pass
+        except JsonLinesError as e:
+            raise SweepError(f"{e}: the sweep's Optuna journal is damaged there (not a line a "
+                             "killed writer left unfinished), and Optuna cannot read the study "
+                             "past it; repair or remove that line, or move the sweep's folder "
+                             "aside") from None
+        finally:
+            lock.release()
+    return JournalStorage(JournalFileBackend(str(path), lock))
+
+
+def _journal_lock(path: Path):
+    """Optuna's symlink lock on the journal (the same lock file), which also cuts an
+    unfinished last line each time it is taken, before its holder appends."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    from a2tgpo.io import cut_unfinished_line
+
+    class CuttingLock(JournalFileSymlinkLock):
+        def acquire(self) -> bool:
+            super().acquire()
+            try:
+                cut_unfinished_line(path)
+            except BaseException:
+                self.release()
+                raise
+            return True
+
+    return CuttingLock(str(path))
 
 
 @contextlib.contextmanager

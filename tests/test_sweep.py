@@ -238,6 +238,67 @@ def test_training_error_fails_trial_and_rerun_retries_same_params(tmp_path):
     assert result["retry_of"] == 0 and result["params"] == first.params
 
 
+def _two_trials(cfg, d):
+    """A study in `d` with trial 0 RUNNING (asked) and trial 1 COMPLETE."""
+    study = sw.load_study(cfg, d)
+    for value in (None, 0.5):
+        t = study.ask()
+        t.suggest_float("beta", 0.0, 0.5)
+        t.suggest_float("gamma", 0.8, 1.0)
+        if value is not None:
+            study.tell(t, value)
+
+
+def test_a_journal_cut_mid_line_by_a_crash_is_repaired_before_the_next_append(tmp_path,
+                                                                              caplog):
+    """A job killed while appending leaves half an operation at the end of journal.log.
+    Optuna skips it on reading, but would append the next operation to it, and that glued
+    line would fail every later read. The next append cuts it first, keeping its bytes in
+    journal.log.partial: the study takes new trials and opens again."""
+    cfg, d = make_sweep(tmp_path), tmp_path / "sweep"
+    _two_trials(cfg, d)
+    journal = sw.journal_path(d)
+    whole = journal.read_bytes()
+    half = b'{"op_code":6,"worker_id":"w","trial_id":0,"state":1,"val'  # a tell, cut short
+    with open(journal, "ab") as f:
+        f.write(half)
+
+    study = sw.load_study(cfg, d)  # another job: a fresh study object on the file
+    assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.COMPLETE]
+    t = study.ask()  # the first append: cuts the half line, then writes
+    t.suggest_float("beta", 0.0, 0.5)
+    t.suggest_float("gamma", 0.8, 1.0)
+    study.tell(t, 0.25)
+    states = [t.state for t in sw.load_study(cfg, d).trials]
+    assert states == [TrialState.RUNNING, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert journal.read_bytes().startswith(whole)
+    assert (d / "journal.log.partial").read_bytes() == half + b"\n"
+    # the half line was line (whole's lines + 1) of the journal
+    line = whole.count(b"\n") + 1
+    assert f"journal.log:{line}: cut an unfinished last line ({len(half)} bytes" in caplog.text
+    # a job that opens the study while the half line is there cuts it too (under the lock)
+    with open(journal, "ab") as f:
+        f.write(half)
+    sw.load_study(cfg, d)
+    assert journal.read_bytes().endswith(b"\n")
+    assert (d / "journal.log.partial").read_bytes() == 2 * (half + b"\n")
+
+
+def test_a_damaged_line_inside_the_journal_is_an_error_naming_it(tmp_path):
+    cfg, d = make_sweep(tmp_path), tmp_path / "sweep"
+    _two_trials(cfg, d)
+    journal = sw.journal_path(d)
+    lines = journal.read_bytes().split(b"\n")
+    lines[1] = lines[1][:-3]  # line 2 loses its last 3 bytes but keeps its newline
+    journal.write_bytes(b"\n".join(lines))
+    damaged = journal.read_bytes()
+    with pytest.raises(sw.SweepError, match=r"journal.log:2: not valid JSON: .*the sweep's "
+                       "Optuna journal is damaged there"):
+        sw.load_study(cfg, d)
+    assert journal.read_bytes() == damaged  # nothing was cut or appended
+    assert not (d / "journal.log.partial").exists()
+
+
 def test_run_folder_of_other_params_is_moved_aside(tmp_path):
     cfg, base = make_sweep(tmp_path), base_config(tmp_path)
     other = sw.trial_config(base, cfg, 2, {"beta": 0.123, "gamma": 0.8})
