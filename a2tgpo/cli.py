@@ -191,7 +191,8 @@ def cmd_serve_retriever(args) -> int:
           default_topk=cfg.topk, max_batch=h.max_batch, max_wait_ms=h.max_wait_ms,
           ready_file=args.ready_file, hold_on_sigterm=args.hold_on_sigterm,
           limits={"max_request_queries": h.max_request_queries, "max_topk": h.max_topk,
-                  "max_body_bytes": h.max_body_bytes})
+                  "max_body_bytes": h.max_body_bytes, "max_query_chars": h.max_query_chars},
+          keep_alive_s=h.keep_alive_s, request_timeout_s=h.request_timeout_s)
     return 0
 
 

@@ -7,6 +7,7 @@ implement the same `search`, so the agent loop never knows which one it talks to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -100,18 +101,32 @@ class HttpConfig:
         "max_batch_queries per request).", ge=1)
     max_topk: int = option(100, "Server: largest topk a request may ask (HTTP 422 beyond).", ge=1)
     max_body_bytes: int = option(
-        16 * 2**20, "Server: largest request body in bytes (HTTP 413 beyond, before parsing).",
-        ge=1)
+        16 * 2**20, "Server: largest request body in bytes (HTTP 413 beyond, before parsing: "
+        "by Content-Length, and for a chunked body by the bytes as they arrive).", ge=1)
+    max_query_chars: int = option(
+        4096, "Server: longest query in characters (HTTP 422 beyond; a long query costs the "
+        "encoder or BM25 time for the whole batch). Client: longer queries are cut to this "
+        "before sending, with a warning and a count. 4096 is twice what the encoders read "
+        "(e5 and MiniLM stop at 512 tokens, about 2,000 characters of English), and a policy's "
+        "query is at most one turn (rollout.max_turn_tokens, 500 by default).", ge=1)
+    keep_alive_s: float = option(
+        5.0, "Server: an idle connection between two requests is closed after this many "
+        "seconds (uvicorn's timeout_keep_alive; the client reconnects).", gt=0)
+    request_timeout_s: float = option(
+        30.0, "Server: a client must send a whole request (headers and body) within this "
+        "many seconds of starting it (of connecting, for a connection's first); else the "
+        "connection is closed, so silent or half-sent connections do not pile up.", gt=0)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
         if self.retry_budget_s < 0:
             raise ValueError(f"retry_budget_s must be >= 0, got {self.retry_budget_s}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "keep_alive_s", "request_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:  # a timer of inf (or nan) never fires
+                raise ValueError(f"{name}: must be > 0 and finite, got {getattr(self, name)}")
         for name in ("retries", "max_batch_queries", "max_batch", "max_request_queries",
-                     "max_topk", "max_body_bytes"):
+                     "max_topk", "max_body_bytes", "max_query_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("backoff_s", "max_wait_ms"):

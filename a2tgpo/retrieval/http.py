@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import queue
 import signal
 import threading
@@ -248,19 +249,60 @@ def _not_utf8(queries: list[str]) -> int | None:
     return None
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413, by its Content-Length
+    before any of it is read, and otherwise (a chunked body declares no length) as its bytes
+    arrive, at the first chunk past the limit, never holding more than the limit. The 413
+    says `Connection: close`, so the rest of the body is not read either."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _refuse(self, size: str) -> fastapi.HTTPException:
+        return fastapi.HTTPException(
+            413, detail=f"request body of {size} bytes is over the server's limit of "
+            f"{self.limit} (retrieval.http.max_body_bytes)", headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        # compared as text first: int() refuses numbers of more than 4300 digits
+        if declared.isdigit() and (len(declared) > 20 or int(declared) > self.limit):
+            too_large = self._refuse(declared if len(declared) <= 20 else "more than 10^20")
+            response = JSONResponse({"detail": too_large.detail}, status_code=413,
+                                    headers=too_large.headers)
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # FastAPI passes an HTTPException raised while it reads the body on to
+                    # its handler, which answers with it
+                    raise self._refuse(f"at least {received}")
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def build_app(
     retriever: Retriever, *, default_topk: int, max_batch: int, max_wait_ms: float,
     max_request_queries: int = 4096, max_topk: int = 100, max_body_bytes: int = 16 * 2**20,
-    split_requests: bool = True,
+    max_query_chars: int = 4096, split_requests: bool = True,
 ) -> fastapi.FastAPI:
     """The FastAPI app serving `retriever` on Search-R1's `POST /retrieve`, plus `GET /health`.
 
     The batch worker runs while the app is served (FastAPI lifespan); the caller keeps ownership
     of `retriever` and closes it. Requests over the limits are refused before they reach the
-    batch (413: a body over `max_body_bytes` by its Content-Length, more than
-    `max_request_queries` queries; 422: topk over `max_topk`, a query that is not text). A
-    batch whose search fails is served again request by request, so a request that cannot be
-    searched fails alone (500) and the others merged with it are answered.
+    batch (413: a body over `max_body_bytes`, by its Content-Length or, chunked, by the bytes
+    received; more than `max_request_queries` queries; 422: topk over `max_topk`, a query
+    longer than `max_query_chars` characters, a query that is not text). A batch whose search
+    fails is served again request by request, so a request that cannot be searched fails
+    alone (500) and the others merged with it are answered.
 
     Concurrent requests are merged into searches of at most `max_batch` queries. A request of
     more than `max_batch` queries is searched in pieces of at most `max_batch`: after each
@@ -287,15 +329,7 @@ def build_app(
             batcher.stop()
 
     app = fastapi.FastAPI(title="a2tgpo retrieval server", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def body_limit(request: fastapi.Request, call_next):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > max_body_bytes:
-            return JSONResponse({"detail": f"request body of {size} bytes is over the server's "
-                                 f"limit of {max_body_bytes} (retrieval.http.max_body_bytes)"},
-                                status_code=413)
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.get("/health")
     def health() -> JSONResponse:
@@ -314,6 +348,11 @@ def build_app(
         if request.topk is not None and request.topk > max_topk:
             return JSONResponse({"detail": f"topk {request.topk} is over the server's limit of "
                                  f"{max_topk} (retrieval.http.max_topk)"}, status_code=422)
+        long = next((i for i, q in enumerate(request.queries) if len(q) > max_query_chars), None)
+        if long is not None:
+            return JSONResponse({"detail": f"query {long} has {len(request.queries[long])} "
+                                 f"characters; the server takes at most {max_query_chars} "
+                                 "(retrieval.http.max_query_chars)"}, status_code=422)
         bad = _not_utf8(request.queries)
         if bad is not None:
             return JSONResponse({"detail": f"query {bad} is not valid text (it holds a lone "
@@ -358,6 +397,72 @@ def _absorb_signals(received: list[int]) -> Iterator[None]:
             signal.signal(s, handler)
 
 
+# the most bytes of a request's line and headers (h11's incomplete-event limit; a longer head
+# gets 400): ours are under 1 KiB
+MAX_HEAD_BYTES = 16 * 1024
+
+
+def _h11_with_deadline(request_timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline on receiving each request.
+
+    uvicorn closes a connection that idles between two requests (`timeout_keep_alive`), but
+    not one that connects and sends nothing, or half a request: each would hold its socket
+    (and, mid-body, its handler) for ever. Here the clock starts when a connection opens, or
+    when the first bytes of a later request arrive, and stops once the request is in whole;
+    at `request_timeout_s` the connection is closed (a handler waiting for the body sees the
+    client leave).
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._arm()  # a request begins (after a keep-alive wait) or goes on
+            super().data_received(data)
+            if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+                self._disarm()  # the request is in whole (or the connection is ending)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(request_timeout_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                log.warning("closing the connection from %s: no whole request within %g s "
+                            "(retrieval.http.request_timeout_s)",
+                            ":".join(map(str, self.client or ("?",))), request_timeout_s)
+                self.transport.close()
+
+    return Protocol
+
+
+def server_config(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info",
+                  keep_alive_s: float = 5.0, request_timeout_s: float = 30.0) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the h11 protocol (whatever else is installed, so the
+    limits below always apply) with a deadline per request (`_h11_with_deadline`), a head of
+    at most MAX_HEAD_BYTES, and idle connections closed after `keep_alive_s`."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=_h11_with_deadline(request_timeout_s),
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                          timeout_keep_alive=keep_alive_s)  # type: ignore[arg-type]
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, calling `on_ready(port)` once it listens (port 0: the one it got).
     With `hold_on_sigterm` it keeps serving through SIGTERM (stopped by SIGINT)."""
@@ -391,13 +496,16 @@ def serve(
     ready_file: str | None = None,
     hold_on_sigterm: bool = False,
     limits: dict | None = None,
+    keep_alive_s: float = 5.0,
+    request_timeout_s: float = 30.0,
 ) -> None:
     """Serve `retriever` over HTTP until SIGINT/SIGTERM, then return after a graceful shutdown.
 
     Binds 127.0.0.1 unless `host` says otherwise (e.g. "0.0.0.0" to serve other nodes); port 0
     takes a free port. Once it listens, `ready_file` (if given) is written atomically with
     {"host", "port", "url", "pid"}: what a job that started the server waits for and reads.
-    `limits`: build_app's max_request_queries, max_topk, max_body_bytes.
+    `limits`: build_app's max_request_queries, max_topk, max_body_bytes, max_query_chars.
+    `keep_alive_s`, `request_timeout_s`: `server_config`'s.
     `hold_on_sigterm`: serve through SIGTERM and stop on SIGINT only. A job's own server
     (`sidecar`) needs it: SLURM's time-limit SIGTERM reaches every process of the job, and the
     trainer still searches until its next safe point.
@@ -423,8 +531,9 @@ def serve(
             atomic_write_json(ready_file, {"host": host, "port": bound, "url": url,
                                            "pid": os.getpid()})
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), ready,
-                     hold_on_sigterm)
+    config = server_config(app, host=host, port=port, log_level=log_level,
+                           keep_alive_s=keep_alive_s, request_timeout_s=request_timeout_s)
+    server = _Server(config, ready, hold_on_sigterm)
     received: list[int] = []
     with _absorb_signals(received):
         server.run()
@@ -459,6 +568,10 @@ class HttpRetriever:
     up to `retries` times in total, sleeping `backoff_s`, then twice that, and so on (each sleep
     at most MAX_BACKOFF_S), in between; and beyond `retries`, attempts go on while the next one
     starts within `retry_budget_s` of the first (a server restarting).
+
+    A query longer than `max_query_chars` (what our server takes) is cut to that length
+    before it is sent: one overlong query the policy wrote must not fail its whole batch with
+    a 422. `cut_queries` counts them; a warning says so at the 1st, 10th, 100th, ... cut.
     """
 
     def __init__(
@@ -470,14 +583,17 @@ class HttpRetriever:
         backoff_s: float = 0.5,
         max_batch_queries: int = 512,
         retry_budget_s: float = 0.0,
+        max_query_chars: int = 4096,
     ) -> None:
         if timeout_s <= 0 or retries < 1 or backoff_s < 0 or max_batch_queries < 1 \
-                or retry_budget_s < 0:
+                or retry_budget_s < 0 or max_query_chars < 1:
             raise ValueError(
                 "need timeout_s > 0, retries >= 1, backoff_s >= 0, max_batch_queries >= 1, "
-                f"retry_budget_s >= 0; got {timeout_s}, {retries}, {backoff_s}, "
-                f"{max_batch_queries}, {retry_budget_s}"
+                f"retry_budget_s >= 0, max_query_chars >= 1; got {timeout_s}, {retries}, "
+                f"{backoff_s}, {max_batch_queries}, {retry_budget_s}, {max_query_chars}"
             )
+        self.max_query_chars = max_query_chars
+        self.cut_queries = 0
         self.url = url
         self.timeout_s = timeout_s
         self.retries = retries
@@ -489,6 +605,7 @@ class HttpRetriever:
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
+        queries = [self._bounded(q) for q in queries]
         out: list[list[Hit]] = []
         for start in range(0, len(queries), self.max_batch_queries):
             out.extend(self._request(list(queries[start : start + self.max_batch_queries]), topk))
@@ -496,6 +613,16 @@ class HttpRetriever:
 
     def close(self) -> None:
         self._session.close()
+
+    def _bounded(self, query: str) -> str:
+        if len(query) <= self.max_query_chars:
+            return query
+        self.cut_queries += 1
+        if math.log10(self.cut_queries).is_integer():  # the 1st, 10th, 100th, ...
+            log.warning("retriever %s: a query of %d characters cut to %d "
+                        "(retrieval.http.max_query_chars); %d cut so far", self.url,
+                        len(query), self.max_query_chars, self.cut_queries)
+        return query[: self.max_query_chars]
 
     def _request(self, queries: list[str], topk: int) -> list[list[Hit]]:
         payload = {"queries": queries, "topk": topk, "return_scores": True}

@@ -158,7 +158,7 @@ def build_retriever(cfg: RetrievalConfig, corpus: str | Path, index_path: str | 
                              "command under `a2tgpo with-retriever CONFIG -- ...`")
         return HttpRetriever(url or h.url, timeout_s=h.timeout_s, retries=h.retries,
                              backoff_s=h.backoff_s, max_batch_queries=h.max_batch_queries,
-                             retry_budget_s=h.retry_budget_s)
+                             retry_budget_s=h.retry_budget_s, max_query_chars=h.max_query_chars)
     from a2tgpo.retrieval.docstore import DocStore
 
     docs = DocStore(corpus, cache_dir=cache_dir)

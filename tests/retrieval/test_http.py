@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures import wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,7 @@ from a2tgpo.retrieval.http import (
     RetrieverUnavailable,
     _Batcher,
     build_app,
+    server_config,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,13 +63,14 @@ def expected_hits(query: str, topk: int) -> list[Hit]:
     return [Hit(f"{query}#{r}", f'"{query}"\npassage {r}', 1.0 / (r + 1)) for r in range(topk)]
 
 
-def _serve_in_thread(app):
-    """Run `app` under uvicorn on an ephemeral 127.0.0.1 port; return (server, thread, url)."""
+def _serve_in_thread(app, **settings):
+    """Run `app` under uvicorn with `serve`'s settings (`server_config`) on an ephemeral
+    127.0.0.1 port; return (server, thread, url)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(server_config(app, log_level="warning", **settings))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -83,7 +85,8 @@ def served():
     """One real server for the module: default topk 3, batches of at most 8 queries."""
     fake = FakeRetriever()
     app = build_app(fake, default_topk=3, max_batch=8, max_wait_ms=20.0,
-                    max_request_queries=50, max_topk=10, max_body_bytes=4000)
+                    max_request_queries=50, max_topk=10, max_body_bytes=4000,
+                    max_query_chars=100)
     server, thread, base = _serve_in_thread(app)
     yield fake, base
     server.should_exit = True
@@ -118,6 +121,79 @@ def test_request_limits_refuse_before_searching(base, fake):
     assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
     assert fake.calls == []                                # none reached the retriever
     assert post({"queries": ["q"] * 50, "topk": 10}).status_code == 200  # at the limits
+
+
+def _port(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+def _response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket timeout: 5 s)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """One whole response (head and its Content-Length of body), leaving the connection open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    size = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")))
+    while len(body) < size:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def _chunked_head(path: str = "/retrieve") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(base, fake):
+    """A chunked body declares no Content-Length. One under the limit is served; one over it
+    gets 413 at the chunk that passes 4000 bytes, and the connection is closed without
+    waiting for the rest (the client has not even ended the body)."""
+    body = json.dumps({"queries": ["q"], "topk": 1}).encode()
+    with socket.create_connection(("127.0.0.1", _port(base)), timeout=5) as s:
+        s.sendall(_chunked_head() + _chunk(body[:5]) + _chunk(body[5:]) + b"0\r\n\r\n")
+        reply = _one_response(s)
+    assert reply.startswith(b"HTTP/1.1 200 ") and b'"q#0"' in reply
+    fake.calls.clear()
+
+    start = b'{"queries": ["' + b"x" * 986  # 1000 bytes
+    with socket.create_connection(("127.0.0.1", _port(base)), timeout=5) as s:
+        s.sendall(_chunked_head() + _chunk(start))
+        for _ in range(4):  # 1000 + 4 x 1000 = 5000 bytes > 4000; no last chunk follows
+            s.sendall(_chunk(b"x" * 1000))
+        reply = _response(s)
+    assert reply.startswith(b"HTTP/1.1 413 ") and b"connection: close" in reply.lower()
+    assert b"max_body_bytes" in reply and b"at least" in reply
+    assert fake.calls == []
+
+
+def test_a_query_over_max_query_chars_is_refused_and_the_client_cuts_it(base, fake, caplog):
+    post = lambda body: requests.post(f"{base}/retrieve", json=body, timeout=5)  # noqa: E731
+    r = post({"queries": ["q", "x" * 101]})  # 101 > max_query_chars 100
+    assert r.status_code == 422
+    assert r.json()["detail"] == ("query 1 has 101 characters; the server takes at most 100 "
+                                  "(retrieval.http.max_query_chars)")
+    assert fake.calls == []
+    assert post({"queries": ["x" * 100]}).status_code == 200  # at the limit
+    fake.calls.clear()
+    client = HttpRetriever(f"{base}/retrieve", max_query_chars=100)
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.retrieval.http"):
+        hits = client.search(["y" * 250, "short"], topk=1)
+    assert [h[0].id for h in hits] == ["y" * 100 + "#0", "short#0"]
+    assert fake.calls == [(["y" * 100, "short"], 1)] and client.cut_queries == 1
+    assert "a query of 250 characters cut to 100" in caplog.text
 
 
 def test_health(base):
@@ -540,10 +616,87 @@ def test_http_config_defaults_and_validation():
     cfg = from_dict(HttpConfig, {})
     assert (cfg.url, cfg.host, cfg.port) == ("http://127.0.0.1:8000/retrieve", "127.0.0.1", 8000)
     assert (cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_queries) == (256, 5.0, 512)
+    assert (cfg.max_query_chars, cfg.keep_alive_s, cfg.request_timeout_s) == (4096, 5.0, 30.0)
     with pytest.raises(ConfigError, match="retries"):
         from_dict(HttpConfig, {"retries": 0})
+    for key, value in (("max_query_chars", 0), ("keep_alive_s", 0.0),
+                       ("request_timeout_s", float("inf"))):
+        with pytest.raises(ConfigError, match=key):
+            from_dict(HttpConfig, {key: value})
     with pytest.raises(ConfigError, match="url"):
         from_dict(HttpConfig, {"url": "127.0.0.1:8000/retrieve"})
+
+
+@pytest.fixture(scope="module")
+def strict():
+    """(FakeRetriever, port) of a server that gives a client 1 s to send a whole request and
+    keeps an idle connection 1 s."""
+    fake = FakeRetriever()
+    app = build_app(fake, default_topk=1, max_batch=8, max_wait_ms=1.0)
+    server, thread, base = _serve_in_thread(app, request_timeout_s=1.0, keep_alive_s=1.0)
+    yield fake, _port(base)
+    server.should_exit = True
+    thread.join(10)
+
+
+def _closed_after(port: int, parts: list[bytes], pause_s: float = 0.0,
+                  before: bytes = b"") -> float:
+    """Connect, send the whole request `before` (if any) and read its answer, then send
+    `parts` `pause_s` apart and wait for the server to close the connection; the seconds from
+    the start of `parts` to the close (socket timeout 5 s: a server that never closes fails
+    the test)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        if before:
+            s.sendall(before)
+            assert _one_response(s).startswith(b"HTTP/1.1 200 ")
+        start = time.monotonic()
+        try:
+            for part in parts:
+                s.sendall(part)
+                time.sleep(pause_s)
+            _response(s)
+        except (BrokenPipeError, ConnectionResetError):  # closed while we were sending
+            pass
+        return time.monotonic() - start
+
+
+def test_silent_and_half_sent_connections_are_closed_at_the_request_timeout(strict):
+    """request_timeout_s 1: a connection that sends nothing, half a head, a head and half its
+    body, or a head one byte every 0.3 s (each byte well inside any per-read timeout), is
+    closed about 1 s after it opened; after a whole request and its answer, one that sends
+    half a second request about 1 s after it began, and one that stays idle after
+    keep_alive_s (1 s)."""
+    fake, port = strict
+    head = b"POST /retrieve HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    body = json.dumps({"queries": ["q"]}).encode()
+    whole = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    cases = {
+        "silent": ([], 0.0, b""),
+        "half a head": ([head], 0.0, b""),
+        "half a body": ([head + b"Content-Length: 100\r\n\r\n" + body[:10]], 0.0, b""),
+        "a byte at a time": ([bytes([b]) for b in head], 0.3, b""),
+        "half a second request": ([head], 0.0, whole),
+        "idle after a request": ([], 0.0, whole),
+    }
+    with ThreadPoolExecutor(len(cases)) as pool:  # all at once: the test takes ~1 s
+        waits = {name: pool.submit(_closed_after, port, *case) for name, case in cases.items()}
+        seconds = {name: w.result() for name, w in waits.items()}
+    for name, s in seconds.items():
+        assert 0.9 < s < 2.5, (name, seconds)
+    assert sorted(q for qs, _ in fake.calls for q in qs) == ["q", "q"]  # the whole requests
+
+
+def test_the_request_timeout_does_not_cut_a_slow_search(strict):
+    """The clock stops once the request is in whole: a search of 1.5 s (over the 1 s request
+    timeout) is answered."""
+    fake, port = strict
+    fake.delay_s = 1.5
+    try:
+        r = requests.post(f"http://127.0.0.1:{port}/retrieve", json={"queries": ["q"]},
+                          timeout=5)
+    finally:
+        fake.delay_s = 0.0
+    assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "q#0"
 
 
 SERVE_SCRIPT = textwrap.dedent(
