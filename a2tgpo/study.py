@@ -370,6 +370,9 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
     runs it, so a config the one accepts the other accepts too. Raises ConfigError, its
     message led by `source` (the config's files).
 
+    0. values a late job would refuse, checked in milliseconds: backbone paths and the
+       encoder id, the index factory, dev_size against training rows on disk
+       (_check_load_time_values);
     1. built (toy) backbones share one folder; a toy reader was not pretrained on the study's
        world (its questions would be memorised, not read);
     2. the grid: every id it names exists, β only for methods that read it (validate_grid);
@@ -379,6 +382,7 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
     4. with `plan`: every cell's resolved config (overrides applied) and its memory plan, and
        every evaluation job's, fit their GPUs and memory requests; the train rule's retries.
     """
+    _check_load_time_values(study, source)
     toy_paths = {study.backbone(b).path for b in study.backbones if study.backbone(b).needs_build}
     if len(toy_paths) > 1:
         raise ConfigError(f"{source}: backbones: all built (toy) backbones must share one "
@@ -414,6 +418,56 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
         if checks.retries.error:
             raise ConfigError(f"{source}: {checks.retries.error}")
     return checks
+
+
+def _check_load_time_values(study: StudyConfig, source: str) -> None:
+    """What a late job would find wrong, found in milliseconds: the released backbones' paths
+    and a dense retriever's encoder (a local model folder or a well-formed hub id,
+    model_id_error), the index factory of an index the DAG builds (faiss makes an empty one at
+    the encoder's width, factory_error), and each track's dev_size against its training rows
+    where these are local files already on disk (qa.known_rows)."""
+    from a2tgpo.data.qa import dev_size_error, known_rows
+    from a2tgpo.model.fetch import model_id_error
+    from a2tgpo.retrieval.encoders import MINILM
+    from a2tgpo.retrieval.index import factory_error
+
+    for i, b in enumerate(study.backbones):
+        cfg = study.backbone(b)
+        if not cfg.needs_build and (error := model_id_error(cfg.path)):
+            raise ConfigError(f"{source}: backbones[{i}]: {Path(study.backbones_dir)}/{b}.yaml: "
+                              f"path: {error}")
+    r = study.retrieval
+    if r.retriever == "dense":
+        if error := model_id_error(r.encoder.model, builtin=(MINILM,)):
+            raise ConfigError(f"{source}: retrieval.encoder.model: {error}")
+        if r.index.prebuilt is None and (error := factory_error(r.index.factory,
+                                                                _encoder_width(study))):
+            raise ConfigError(f"{source}: retrieval.index.factory: {error}")
+    for track in study.track_names:
+        data = study.track_data(track)
+        rows = [known_rows(s) for s in data.train]
+        if None not in rows and (error := dev_size_error(
+                data.dev_size, sum(rows), [f"{s.name} in {s.repo}" for s in data.train])):
+            where = f" (track {track}: {', '.join(s.name for s in data.train)})" if track else ""
+            raise ConfigError(f"{source}: data.dev_size{where}: {error}")
+
+
+def _encoder_width(study: StudyConfig) -> int | None:
+    """The dense encoder's output width, where known without loading it: retrieval.index.dim,
+    else the hidden_size of its config.json on disk (the offline MiniLM's, a local folder's,
+    a fetched one's)."""
+    import json
+
+    from a2tgpo.retrieval.encoders import model_path
+
+    if study.retrieval.index.dim is not None:
+        return study.retrieval.index.dim
+    for folder in (model_path(study.retrieval.encoder), encoder_dir(study)):
+        try:
+            return int(json.loads((Path(folder) / "config.json").read_text())["hidden_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def _study_sweeps(study: StudyConfig, source: str) -> dict[str, tuple[str, Any, Cell]]:

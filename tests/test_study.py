@@ -139,3 +139,77 @@ def test_check_config_accepts_a_method_override_pattern_that_matches(capsys):
                      ("train.method_overrides={at2po*: [method.rollout.n=4], "
                       "tree_grpo: [method.rollout.n=6]}")]) == 0
     assert "config/config.yaml: valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, message", [
+    # each passed check-config and failed in a late job: after encoding (a factory faiss
+    # cannot parse, or one whose PQ needs a width divisible by 7: MiniLM's 384 is not), or at
+    # its first download (an encoder id without its owner reads as a network error)
+    ("retrieval.index.factory=Flatt",
+     (r"retrieval\.index\.factory: faiss\.index_factory\(384, 'Flatt', inner product\) "
+     r"fails: could not parse index string Flatt")),
+    ("retrieval.index.factory=IVF16,PQ7",
+     (r"retrieval\.index\.factory: faiss\.index_factory\(384, 'IVF16,PQ7', inner product\) "
+     r"fails: .*d % M == 0")),
+    ("retrieval.index.factory=IVF99999999,Flat",
+     r"retrieval\.index\.factory: 99,999,999 is above 4,194,304"),
+    ("retrieval.encoder.model=e5-base-v2",
+     (r"retrieval\.encoder\.model: neither a local directory nor a hub id of the form "
+     r"owner/name")),
+    ("retrieval.encoder.model=./models/e5", (r"retrieval\.encoder\.model: no such local "
+                                            r"directory: \./models/e5$")),
+    ("retrieval.encoder.model=intfloat/e5 base",
+     r"retrieval\.encoder\.model: neither a local directory nor a hub id: Repo id must use"),
+    ("retrieval.encoder.model=config", (r"retrieval\.encoder\.model: local directory config "
+                                       r"has no config\.json")),
+])
+def test_check_config_refuses_what_a_late_job_would_find(override, message, capsys):
+    from a2tgpo import cli
+
+    assert cli.main(["check-config", "config/config.yaml", override]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"config error: config/config\.yaml: " + message, err), err
+
+
+def test_check_config_accepts_factories_and_encoders_that_build(capsys):
+    from a2tgpo import cli
+
+    # IVF16,PQ8: 384 = 8 x 48; a bm25 study reads neither key; a prebuilt index is not built
+    for overrides in (["retrieval.index.factory=IVF16,PQ8"], ["retrieval.index.factory=HNSW32"],
+                      ["retrieval.retriever=bm25", "retrieval.encoder.model=e5-base-v2"],
+                      ["retrieval.index.prebuilt=x.faiss", "retrieval.index.factory=Flatt"]):
+        assert cli.main(["check-config", "config/config.yaml", *overrides]) == 0, \
+            capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path, message", [
+    ("Qwen3-4B", "neither a local directory nor a hub id of the form owner/name"),
+    ("./models/qwen3-4b", r"no such local directory: \./models/qwen3-4b$"),
+    ("~/models/qwen3-4b", "~/models/qwen3-4b: ~ is not expanded"),
+    ("Qwen//Qwen3-4B", "neither a local directory nor a hub id"),
+])
+def test_check_config_refuses_a_backbone_path_no_job_could_load(tmp_path, path, message):
+    from a2tgpo.study import check_study
+
+    spec = yaml.safe_load((ROOT / "config/backbones/toy_reader.yaml").read_text())
+    (tmp_path / "toy_reader.yaml").write_text(yaml.safe_dump({**spec, "path": path}))
+    study = load_study(ROOT / "config/config.yaml", [f"backbones_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=rf"^cfg: backbones\[0\]: {tmp_path}/toy_reader\.yaml: "
+                                          rf"path: {message}"):
+        check_study(study, "cfg", plan=False)
+
+
+def test_check_config_refuses_a_dev_size_that_leaves_a_track_nothing_to_train_on(tmp_path,
+                                                                                 capsys):
+    from a2tgpo import cli
+
+    for subset, n in (("nq", 6), ("hotpotqa", 4)):
+        (tmp_path / subset).mkdir()
+        (tmp_path / subset / "train.jsonl").write_text("".join(
+            f'{{"id": "{i}", "question": "q{i}", "golden_answers": ["a"]}}\n' for i in range(n)))
+    train = (f"data.train=[{{name: toy_nq, loader: flashrag, repo: {tmp_path}, subset: nq, "
+             f"split: train, group: single_hop}}, {{name: toy_hotpotqa, loader: flashrag, "
+             f"repo: {tmp_path}, subset: hotpotqa, split: train, group: multi_hop}}]")
+    # the multi_hop track trains on toy_hotpotqa's 4 rows alone: dev_size 4 leaves none
+    assert cli.main(["check-config", "config/config.yaml", train, "data.dev_size=4"]) == 2
+    err = capsys.readouterr().err

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from a2tgpo.config import load_config, option
+from a2tgpo.config import ConfigError, load_config, option
 from a2tgpo.data.jsonl import DataFileError, iter_jsonl
 from a2tgpo.io import atomic_path, atomic_write_json
 
@@ -412,6 +412,39 @@ def dev_holdout(ids: list[str], dev_size: int, seed: int) -> set[str]:
     return set(ranked[:dev_size])
 
 
+def dev_size_error(dev_size: int, rows: int, files: list[str]) -> str | None:
+    """Why holding `dev_size` of `rows` training rows out is refused (None: it is not): it
+    must leave at least one row to train on (an empty train.parquet trains nothing)."""
+    if dev_size < rows:
+        return None
+    return (f"{dev_size} dev rows held out of {rows} training rows leave none to train on "
+            f"({', '.join(files) or 'no training sources'}); set it below {rows}")
+
+
+def known_rows(src: DatasetSource) -> int | None:
+    """At most how many rows `src` gives, when its file is local and on disk (None: not known
+    before it is read): non-blank JSONL lines, or the parquet footer's row count, capped by
+    `limit`. An upper bound: invalid rows may be dropped."""
+    root = Path(src.repo)
+    if not root.is_dir():
+        return None
+    try:
+        file = _resolve_local(src, root)
+    except (OSError, ValueError):
+        return None
+    if src.loader == "flashrag":
+        with open(file.path, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    else:
+        import pyarrow.parquet as pq
+
+        try:
+            n = pq.ParquetFile(file.path).metadata.num_rows
+        except Exception:  # a damaged file: prepare-data names it
+            return None
+    return n if src.limit is None else min(n, src.limit)
+
+
 def _counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_source: dict[str, Counter] = {}
     for r in rows:
@@ -422,11 +455,13 @@ def _counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def prepare_data(cfg: DataConfig, out_dir: str | Path) -> dict[str, Any]:
+def prepare_data(cfg: DataConfig, out_dir: str | Path, *, source: str = "data config",
+                 key: str = "dev_size") -> dict[str, Any]:
     """Load every source and write train/dev/test parquet files and summary.json (last).
 
     Returns the summary: per output file its row count and rows per source and hop_type, per
-    input its resolved file, split, loaded and dropped rows.
+    input its resolved file, split, loaded and dropped rows. `source` and `key` (the config
+    file, the dotted key of dev_size) name the setting a refusal is about.
     """
     out = Path(out_dir)
     loaded = {
@@ -435,6 +470,9 @@ def prepare_data(cfg: DataConfig, out_dir: str | Path) -> dict[str, Any]:
     }
     train_all = [r for part in loaded["train"] for r in part.rows]
     _check_unique_ids(train_all, "training sources combined")
+    if error := dev_size_error(cfg.dev_size, len(train_all),
+                               [p.file.display for p in loaded["train"]]):
+        raise ConfigError(f"{source}: {key}: {error}")  # before anything is written
     dev_ids = dev_holdout([r["id"] for r in train_all], cfg.dev_size, cfg.seed)
     outputs = {
         "train.parquet": [r for r in train_all if r["id"] not in dev_ids],
@@ -489,5 +527,6 @@ def print_summary(summary: dict[str, Any]) -> None:
 def main(config_path: str, overrides: list[str], out_dir: str, section: str | None = "data") -> int:
     """CLI entry: load the `data` section of `config_path` and prepare the data into `out_dir`."""
     cfg = load_config(DataConfig, config_path, overrides, section=section)
-    prepare_data(cfg, Path(out_dir))
+    prepare_data(cfg, Path(out_dir), source=config_path,
+                 key=f"{section}.dev_size" if section else "dev_size")
     return 0

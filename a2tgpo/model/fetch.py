@@ -56,6 +56,40 @@ def encoder_is_hub_id(model: str) -> bool:
     return model != MINILM and not Path(model).is_dir()
 
 
+LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def model_id_error(value: str, *, builtin: tuple[str, ...] = ()) -> str | None:
+    """Why `value` (a backbone's `path`, a retrieval encoder's `model`) names no model a job
+    could load (None: it does), checked without the network: a local directory with a
+    config.json; a name in `builtin` (the offline MiniLM); else a hub id `owner/name` by the
+    hub's own rules (huggingface_hub's validate_repo_id), with an owner: an id without one
+    (`e5-base-v2` for `intfloat/e5-base-v2`) would only fail at job time, as a network error.
+    A path that looks local (starts with /, ./, ../ or ~) must exist: it is never a hub id; ~
+    is refused, as the loaders read it literally."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if value in builtin:
+        return None
+    if value.startswith("~"):
+        return f"{value}: ~ is not expanded (the loaders read it literally); write the full path"
+    local = Path(value)
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            return f"local directory {value} has no config.json (not a saved model)"
+        return None
+    if value.startswith(LOCAL_PREFIXES):
+        return f"no such local directory: {value}"
+    try:
+        validate_repo_id(value)
+    except HFValidationError as e:
+        return f"neither a local directory nor a hub id: {e}"
+    if "/" not in value:
+        return ("neither a local directory nor a hub id of the form owner/name (the hub's "
+                "models have an owner, e.g. intfloat/e5-base-v2)")
+    return None
+
+
 def fetched(out: str | Path) -> dict | None:
     """The fetch.json of a fetched folder, or None."""
     path = Path(out) / FETCHED

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +79,41 @@ class IndexConfig:
             raise ValueError("num_shards and chunk_size must be >= 1")
         if self.dim is not None and self.dim < 1:
             raise ValueError(f"dim must be >= 1, got {self.dim}")
+
+
+# A factory string is tried at load on an empty index (milliseconds), then discarded. Its width
+# is the encoder's when known, else PROBE_DIM (BERT-base's, e5-base-v2's) raised to a multiple
+# of every PQ/OPQ sub-quantizer count it names, as a real width must be. Counts above
+# MAX_FACTORY_COUNT are refused unprobed: faiss allocates an IVF's lists when the index is made
+# (IVF2^22: 0.5 s and 0.5 GB), and 2^22 lists is faiss's own largest guideline, for a billion
+# vectors.
+PROBE_DIM = 768
+MAX_PROBE_DIM = 2**16
+MAX_FACTORY_COUNT = 2**22
+
+
+def factory_error(factory: str, dim: int | None = None) -> str | None:
+    """Why `faiss.index_factory(dim, factory, inner product)` refuses `factory` (None: it
+    builds), as build_index calls it; `dim`: the encoder's width, None = unknown (above)."""
+    import faiss
+
+    counts = [int(n) for n in re.findall(r"\d+", factory)]
+    if any(n > MAX_FACTORY_COUNT for n in counts):
+        return (f"{max(counts):,} is above {MAX_FACTORY_COUNT:,} (2^22 IVF lists, faiss's "
+                "guideline for a billion vectors)")
+    if dim is None:
+        dim = math.lcm(PROBE_DIM, *(int(m) for m in re.findall(r"PQ(\d+)", factory)))
+        if dim > MAX_PROBE_DIM:
+            return (f"no encoder width up to {MAX_PROBE_DIM:,} is a multiple of its PQ "
+                    "sub-quantizer counts (set retrieval.index.dim to the encoder's width if "
+                    "this is meant)")
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        # faiss prefixes its reason with the C++ function and source line
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", str(e).strip().splitlines()[-1])
+        return f"faiss.index_factory({dim}, {factory!r}, inner product) fails: {reason}"
+    return None
 
 
 def shard_range(n_rows: int, shard: int, num_shards: int) -> tuple[int, int]:

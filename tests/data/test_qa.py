@@ -443,10 +443,39 @@ def test_empty_split_keeps_schema(flashrag_repo, tmp_path):
         load_split(tmp_path / "other.parquet")
 
 
-def test_dev_size_larger_than_train_is_an_error(flashrag_repo, tmp_path):
-    with pytest.raises(ValueError, match="dev_size 21 exceeds the 20 training rows"):
-        prepare_data(data_config(flashrag_repo, dev_size=21), tmp_path / "out")
-    assert not (tmp_path / "out/summary.json").exists()
+@pytest.mark.parametrize("dev_size", [20, 21])
+def test_dev_size_that_leaves_no_training_row_is_refused_before_writing(flashrag_repo, tmp_path,
+                                                                       dev_size):
+    # training rows: nq/train.jsonl 12 + hotpotqa/train.jsonl 8 = 20; holding out all 20 would
+    # write an empty train.parquet
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as e:
+        prepare_data(data_config(flashrag_repo, dev_size=dev_size), out, source="study.yaml",
+                     key="data.dev_size")
+    assert str(e.value) == (
+        f"study.yaml: data.dev_size: {dev_size} dev rows held out of 20 training rows leave "
+        f"none to train on ({flashrag_repo}/nq/train.jsonl, {flashrag_repo}/hotpotqa/train.jsonl"
+        "); set it below 20")
+    assert not out.exists()  # nothing written
+    assert prepare_data(data_config(flashrag_repo, dev_size=19), out)["files"][
+        "train.parquet"]["rows"] == 1
+
+
+def test_known_rows_counts_local_files_only(flashrag_repo, searchr1_repo, tmp_path):
+    from a2tgpo.data.qa import known_rows
+
+    assert known_rows(flashrag(flashrag_repo, "nq", split="train")) == 12
+    assert known_rows(flashrag(flashrag_repo, "nq", split="train", limit=5)) == 5
+    # blank lines are no rows: 2 rows, 3 lines around them blank
+    blank = write_jsonl(tmp_path / "b/x/train.jsonl", [])
+    blank.write_text("\n" + json.dumps(NQ_TEST[0]) + "\n  \n" + json.dumps(NQ_TEST[1]) + "\n\n")
+    assert known_rows(flashrag(tmp_path / "b", "x", split="train")) == 2
+    searchr1 = DatasetSource(name="s", loader="searchr1", repo=str(searchr1_repo), split="train",
+                             group="mixed")
+    assert known_rows(searchr1) == 3  # the fixture's three rows, from the parquet footer
+    # not known before reading: a hub id, a missing file
+    assert known_rows(flashrag("RUC-NLPIR/FlashRAG_datasets", "nq", split="train")) is None
+    assert known_rows(flashrag(flashrag_repo, "nq", split="nosuch")) is None
 
 
 def test_same_name_in_two_train_sources_collides(flashrag_repo, tmp_path):

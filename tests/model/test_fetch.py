@@ -102,3 +102,24 @@ def test_a_missing_shard_is_an_error_and_nothing_is_left_in_place(hub, tmp_path)
         with pytest.raises(FetchError, match=f"not fetched: \\['{shard.name}'\\]"):
             fetch_backbone(cfg, tmp_path / "m", endpoint=fake.endpoint)
     assert not (tmp_path / "m").exists()
+
+
+def test_model_id_error_without_the_network(tmp_path, monkeypatch):
+    from a2tgpo.model.fetch import model_id_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved/config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for ok in ("intfloat/e5-base-v2", "Qwen/Qwen3-4B", "saved", "./saved", str(tmp_path / "saved")):
+        assert model_id_error(ok) is None, ok
+    assert model_id_error("minilm", builtin=("minilm",)) is None
+    assert "of the form owner/name" in model_id_error("minilm")  # not built in: a hub id
+    assert model_id_error("empty") == "local directory empty has no config.json (not a saved model)"
+    assert model_id_error("./e5") == "no such local directory: ./e5"  # never a hub id
+    assert model_id_error("../e5") == "no such local directory: ../e5"
+    assert model_id_error("/nonexistent/e5") == "no such local directory: /nonexistent/e5"
+    assert "~ is not expanded" in model_id_error("~/e5")
+    # the hub's own rules: one slash, no '--', at most 96 characters per part
+    for bad in ("a/b/c", "intfloat/e5--base", "intfloat/" + "e" * 97, "intfloat/e5 base"):
+        assert model_id_error(bad).startswith("neither a local directory nor a hub id: "), bad

@@ -253,3 +253,20 @@ def test_index_of_another_corpus_is_caught(built, encoder, tmp_path):
     with pytest.raises(IndexMismatch, match="vectors of width 8, but the configured encoder"):
         check_alignment(flat_index(other[:, :8].copy(), tmp_path / "n.faiss"), docs, encoder,
                         "n.faiss")
+
+
+def test_factory_error_tries_the_factory_as_build_index_makes_it():
+    from a2tgpo.retrieval.index import factory_error
+
+    assert factory_error("Flat", 384) is None and factory_error("IVF64,PQ8", 384) is None
+    assert "could not parse index string Flatt" in factory_error("Flatt", 384)
+    # PQ7 needs a width divisible by 7: not 384, but a width unknown yet is tried at
+    # lcm(768, 7) = 5376, so the factory is not refused for a width nobody gave
+    assert "d % M == 0" in factory_error("PQ7", 384)
+    assert factory_error("PQ7", None) is None
+    # lcm(768, 7919) = 6,082,752 > 2^16: no encoder is that wide
+    assert "no encoder width up to 65,536" in factory_error("PQ7919", None)
+    # LSH takes the L2 metric only; the index is always inner product
+    assert "metric == METRIC_L2" in factory_error("LSH", 384)
+    # refused before faiss allocates 10^8 inverted lists
+    assert factory_error("IVF100000000,Flat", 384).startswith("100,000,000 is above 4,194,304")
