@@ -183,8 +183,10 @@ class SweepConfig:
     direction: Literal["maximize", "minimize"] = option("maximize", "Optimisation direction.")
     metric: str = option(
         "val/em", "metrics.jsonl key whose best value over the trial's run (max when "
-        "maximizing) is the objective; val/em = greedy dev EM, so the default objective is "
-        "the run's best dev EM (summary.json best_val_em).")
+        "maximizing) is the objective: one of the validation metrics (val/em, val/f1, "
+        "val/format_ok, val/tool_calls, val/outcome/..., val/seconds; checked when the file "
+        "loads). val/em = greedy dev EM, so the default objective is the run's best dev EM "
+        "(summary.json best_val_em).")
     overrides: tuple[str, ...] = option(
         (), "Dotted TrainConfig overrides for every trial, after the base cell's config, e.g. "
         "[schedule.steps=4]; run_dir, cell, results_dir, beta and gamma are the sweep's.")
@@ -219,7 +221,28 @@ class SweepConfig:
 
 def load_sweep(path: str | Path, overrides=()) -> SweepConfig:
     """Strict loading of a sweep config file (ConfigError names the file and the key)."""
-    return load_config(SweepConfig, path, overrides)
+    sweep = load_config(SweepConfig, path, overrides)
+    if error := metric_error(sweep.metric):
+        raise ConfigError(f"{path}: metric: {error}")
+    return sweep
+
+
+def metric_error(metric: str) -> str | None:
+    """Why `metric` cannot be a trial's objective (None: it can): the objective is read from
+    the validation rows of metrics.jsonl, so it must be a key validate() writes
+    (a2tgpo.train.rl.validation_metrics); any other name fails only after a whole trial."""
+    import difflib
+    import fnmatch
+
+    from a2tgpo.train.rl import validation_metrics
+
+    known = validation_metrics()
+    if any(fnmatch.fnmatchcase(metric, key) for key in known):
+        return None
+    near = difflib.get_close_matches(metric, [k for k in known if "*" not in k], n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (f"{metric!r} is not a metric validation writes to metrics.jsonl{hint}; one of "
+            f"{', '.join(known)} (* = a hop type of the data)")
 
 
 def check_method(sweep: SweepConfig, method, source: str) -> None:
@@ -408,6 +431,16 @@ def load_study(sweep: SweepConfig, directory: str | Path, *, sampler=None, base_
         have, now = flatten(attrs["sweep_config"], "."), flatten(want, ".")
         changed = sorted(k for k in set(have) | set(now)
                          if json.dumps(have.get(k)) != json.dumps(now.get(k)))
+        if changed == ["metric"] and _never_valid_metric(study, have["metric"]):
+            # no trial could finish with it (no run writes it), so none has a value to keep;
+            # the failed trials are retried with their params and their run folders, which
+            # do not depend on the metric, are resumed
+            log.warning("sweep %s: %s was made with metric %r, which no run writes and no "
+                        "trial finished with; it now records metric %r", sweep.name,
+                        journal_path(directory), have["metric"], sweep.metric)
+            _optuna(sweep, directory, "recording the corrected metric",
+                    lambda: study.set_user_attr("sweep_config", want))
+            changed = []
         if changed:
             raise ConfigError(
                 f"sweep {sweep.name}: {journal_path(directory)} holds a study made with a "
@@ -417,6 +450,15 @@ def load_study(sweep: SweepConfig, directory: str | Path, *, sampler=None, base_
             log.warning("sweep %s: the base cell's resolved config changed since the study "
                         "started; trials before and after are not comparable", sweep.name)
     return study
+
+
+def _never_valid_metric(study, metric: str) -> bool:
+    """Whether the study's recorded `metric` is not one validation writes and no trial of the
+    study finished (COMPLETE) with it."""
+    from optuna.trial import TrialState
+
+    return metric_error(metric) is not None and not study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE,))
 
 
 def teller(study):

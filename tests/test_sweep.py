@@ -2,6 +2,7 @@
 trials failed and their params re-enqueued), trial jobs with a stand-in for training, the
 summary, and the Snakemake targets."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,12 +122,80 @@ def test_toy_sweep_config_loads_and_is_listed_but_not_default():
     ({"overrides": ["run_dir=/tmp/x"]}, "run_dir is set by the sweep"),
     ({"overrides": ["schedule.steps"]}, "expected dotted.key=value"),
     ({"base": {"method": "a2tgpo"}}, "base.backbone: missing required key"),
+    # the objective is read from validation rows: a typo, or a key only training rows carry,
+    # would fail after a whole trial's training
+    ({"metric": "val/emm"}, ("metric: 'val/emm' is not a metric validation writes to "
+                            "metrics.jsonl (did you mean 'val/em'?); one of val/em, val/f1")),
+    ({"metric": "train/reward"}, "metric: 'train/reward' is not a metric validation writes"),
+    ({"metric": "val/outcome/bridge/correctt"}, "(did you mean 'val/outcome/correct'?)"),
 ])
 def test_sweep_config_errors(tmp_path, changes, needle):
     with pytest.raises(ConfigError) as e:
         make_sweep(tmp_path, **changes)
     assert needle in str(e.value)
     assert str(tmp_path / "s.yaml") in str(e.value)  # the message names the file
+
+
+@pytest.mark.parametrize("metric", ["val/em", "val/f1", "val/tool_calls", "val/outcome/limit",
+                                    "val/outcome/bridge/query_missed", "val/seconds"])
+def test_every_metric_validation_writes_is_an_objective(tmp_path, metric):
+    assert make_sweep(tmp_path, metric=metric).metric == metric
+
+
+def test_validation_metrics_are_the_keys_validate_writes(monkeypatch):
+    """validate() on two stand-in dev trajectories (bridge questions) writes exactly the keys
+    validation_metrics() lists, with * the data's hop type."""
+    import fnmatch
+    from types import SimpleNamespace
+
+    from a2tgpo.rollout.agent import Question
+    from a2tgpo.train import rl
+
+    trajs = [SimpleNamespace(extra={"em": em, "f1": em, "format_ok": True, "answer": "a"},
+                             num_tool_calls=1, question_id="q", golden_answers=["a"],
+                             turns=[SimpleNamespace(stop="answer", obs_ids=())])
+             for em in (0.0, 1.0)]
+    monkeypatch.setattr(rl, "_rollout", lambda run, qs, **kw: trajs)
+    monkeypatch.setattr(rl, "score", lambda cfg, tok, t, training: t)
+    monkeypatch.setattr(rl, "_gather", lambda backend, t: t)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(method=SimpleNamespace(train=True)), dev_qs=["q"], main=False,
+        backend=SimpleNamespace(unwrapped=SimpleNamespace(eval=lambda: None)),
+        placement=SimpleNamespace(share=lambda qs: qs), best={"step": None},
+        tok=SimpleNamespace(decode=lambda ids, **kw: ""),
+        questions={"q": Question(id="q", question="?", golden_answers=("a",), hops=2,
+                                 hop_type="bridge")})
+    written = rl.validate(run, 3)
+    assert written["val/em"] == 0.5  # mean of the two EMs, 0 and 1
+    patterns = rl.validation_metrics()
+    assert {k for k in written if not any(fnmatch.fnmatchcase(k, p) for p in patterns)} == set()
+    assert {p.replace("*", "bridge") for p in patterns} == set(written)
+
+
+def test_a_journal_made_with_a_metric_no_run_writes_does_not_block_the_fix(tmp_path):
+    """A journal whose study records a metric no run writes (made before the file check): its
+    trials all failed at the objective, so the corrected metric is recorded and the failed
+    trial is retried with its params in its run folder; any other change is still refused."""
+    base, good = base_config(tmp_path), make_sweep(tmp_path)
+    typo = dataclasses.replace(good, metric="val/emm")
+    with pytest.raises(sw.SweepError, match="has no value of 'val/emm'"):
+        sw.run_trial(typo, 0, base, train_fn=FakeTrain())
+    d = sw.sweep_dir(base, good)
+    (failed,) = sw.load_study(typo, d).trials
+    assert failed.state == TrialState.FAIL
+    wider = make_sweep(tmp_path, search={"beta": {"low": 0.0, "high": 0.9},
+                                         "gamma": {"low": 0.8, "high": 1.0}})
+    with pytest.raises(ConfigError, match=r"changed: metric, search.beta.high\)"):
+        sw.run_trial(wider, 0, base, train_fn=FakeTrain())
+    train = FakeTrain()
+    result = sw.run_trial(good, 0, base, train_fn=train)
+    assert result["retry_of"] == failed.number and result["params"] == failed.params
+    assert train.calls[0][1]  # its run folder, resumed
+    assert sw.load_study(good, d).user_attrs["sweep_config"]["metric"] == "val/em"
+    # a metric that runs write is a real choice: changing it stays refused
+    f1 = dataclasses.replace(good, metric="val/f1")
+    with pytest.raises(ConfigError, match=r"changed: metric\)"):
+        sw.load_study(f1, d)
 
 
 def test_method_must_read_the_searched_keys(tmp_path):

@@ -39,7 +39,7 @@ import math
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -373,6 +373,26 @@ def start_run(cfg: TrainConfig) -> Run:
     return run
 
 
+# what validate() writes to metrics.jsonl: the mean over the dev trajectories of each value
+# here (val/<name>), the outcome shares (val/outcome/..., rollout/failures.py) and the time
+# (val/seconds); `validation_metrics` lists the keys, a sweep's objective must be one of them
+VAL_MEANS: dict[str, Callable[[Trajectory], float]] = {
+    "em": lambda t: t.extra["em"],
+    "f1": lambda t: t.extra["f1"],
+    "format_ok": lambda t: t.extra["format_ok"],
+    "tool_calls": lambda t: t.num_tool_calls,
+}
+VAL_OUTCOME, VAL_SECONDS = "val/outcome", "val/seconds"
+
+
+def validation_metrics() -> list[str]:
+    """The keys of validate()'s metrics; `*` stands for a hop type the data states."""
+    from a2tgpo.rollout.failures import OUTCOMES, outcome_shares
+
+    return [*(f"val/{name}" for name in VAL_MEANS),
+            *outcome_shares(OUTCOMES, ["*"] * len(OUTCOMES), VAL_OUTCOME), VAL_SECONDS]
+
+
 def validate(run: Run, step: int) -> dict:
     """Greedy dev rollouts (each rank its share); updates the best trained step. The metrics go
     into the step's one metrics.jsonl row."""
@@ -382,18 +402,16 @@ def validate(run: Run, step: int) -> dict:
     mine = run.placement.share(run.dev_qs)
     trajs = _gather(backend, score(cfg, run.tok, _rollout(run, mine, seed=GREEDY_SEED,
                                                           greedy=True), training=False))
-    em = float(np.mean([t.extra["em"] for t in trajs])) if trajs else 0.0
+    means = {f"val/{name}": float(np.mean([value(t) for t in trajs])) if trajs else 0.0
+             for name, value in VAL_MEANS.items()}
+    em = means["val/em"]
     known = {} if run.best["step"] is None else {run.best["step"]: run.best["val_em"]}
     if best_step({**known, step: em}, trains=cfg.method.train) == step:
         run.best.update(step=step, val_em=em)
     if run.main:
         log.info("step %d validation: EM %.3f on %d dev questions", step, em, len(trajs))
-    return {"val/em": em,
-            **outcome_metrics(trajs, run.tok, run.questions, "val/outcome"),
-            "val/f1": float(np.mean([t.extra["f1"] for t in trajs])),
-            "val/format_ok": float(np.mean([t.extra["format_ok"] for t in trajs])),
-            "val/tool_calls": float(np.mean([t.num_tool_calls for t in trajs])),
-            "val/seconds": time.perf_counter() - t0}
+    return {**means, **outcome_metrics(trajs, run.tok, run.questions, VAL_OUTCOME),
+            VAL_SECONDS: time.perf_counter() - t0}
 
 
 def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
