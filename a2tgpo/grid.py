@@ -192,12 +192,27 @@ def validate_grid(grid: GridConfig, study_backbones: tuple[str, ...], methods_di
                     f"{source}: grid.sets.{name}.betas: method {m!r} (methods[{i}]) does not "
                     "read β (its loss.adaptive_clip is false), so every β would train the same "
                     f"run; list only methods that read β in set {name!r}")
-        for key, pairs in (("exclude", s.exclude), ("only", s.only)):
+        # an entry that matches no cell of the set is refused, not ignored: a typo or a
+        # backbone the set leaves out would silently train what it was meant to leave out
+        backbones = s.backbones or study_backbones
+        only: dict[str, set[str]] = {}
+        for key, pairs in (("only", s.only), ("exclude", s.exclude)):
             for i, p in enumerate(pairs):
                 b, m = p.split(":")
-                if b not in study_backbones or m not in s.methods:
-                    raise ConfigError(f"{source}: grid.sets.{name}.{key}[{i}]: {p!r} names a "
-                                      "backbone or method this set does not have")
+                if b not in backbones:
+                    whose = "its" if s.backbones else "the study's"
+                    why = f"backbone {b!r} is not one of {whose} backbones ({', '.join(backbones)})"
+                elif m not in s.methods:
+                    why = f"method {m!r} is not one of its methods ({', '.join(s.methods)})"
+                elif key == "exclude" and m in only and b not in only[m]:
+                    why = f"its `only` runs {m} on {', '.join(sorted(only[m]))} alone"
+                else:
+                    why = ""
+                if why:
+                    raise ConfigError(f"{source}: grid.sets.{name}.{key}[{i}]: {p!r} matches "
+                                      f"no cell of the set: {why}")
+                if key == "only":
+                    only.setdefault(m, set()).add(b)
     return out
 
 

@@ -101,6 +101,26 @@ def test_validate_grid_names_the_bad_entry(tmp_path):
         GridConfig(sets={"main": CellSet(methods=("grpo",))}, default=("paper",))
 
 
+@pytest.mark.parametrize("cellset, entry, why", [
+    # the set trains b1 alone: leaving out b2's grpo cell leaves out nothing
+    (CellSet(methods=("grpo", "a2tgpo"), backbones=("b1",), exclude=("b2:grpo",)),
+     "exclude[0]: 'b2:grpo'", "backbone 'b2' is not one of its backbones (b1)"),
+    (CellSet(methods=("grpo",), exclude=("b1:a2tgpo",)),
+     "exclude[0]: 'b1:a2tgpo'", "method 'a2tgpo' is not one of its methods (grpo)"),
+    # `only` already runs tree_grpo on b2 alone
+    (CellSet(methods=("grpo", "tree_grpo"), only=("b2:tree_grpo",), exclude=("b1:tree_grpo",)),
+     "exclude[0]: 'b1:tree_grpo'", "its `only` runs tree_grpo on b2 alone"),
+    # an `only` naming a backbone the set does not train would run grpo nowhere
+    (CellSet(methods=("grpo",), backbones=("b1",), only=("b2:grpo",)),
+     "only[0]: 'b2:grpo'", "backbone 'b2' is not one of its backbones (b1)"),
+])
+def test_an_exclusion_that_matches_no_cell_is_refused(cellset, entry, why):
+    grid = GridConfig(sets={"main": cellset})
+    with pytest.raises(ConfigError) as e:
+        validate_grid(grid, ("b1", "b2"), "config/methods", "study.yaml")
+    assert str(e.value) == f"study.yaml: grid.sets.main.{entry} matches no cell of the set: {why}"
+
+
 def _resolve(cell, train):
     return cell_config(
         cell, study="s", results_root="res/s", backbone=BackboneConfig(id="toy", path="m"),
