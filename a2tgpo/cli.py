@@ -244,7 +244,10 @@ def cmd_serve_hub(args) -> int:
 
     from a2tgpo.hub import LocalHub, summary
 
-    with LocalHub(args.folder, host=args.host, port=args.port) as hub:
+    if not 0 < args.timeout < float("inf"):
+        raise ConfigError(f"serve-hub: --timeout: expected seconds > 0, got {args.timeout}")
+    with LocalHub(args.folder, host=args.host, port=args.port,
+                  follow_symlinks=args.follow_symlinks, timeout_s=args.timeout) as hub:
         print(summary(hub), flush=True)
         try:
             while True:
@@ -964,8 +967,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     p.add_argument("folder", help="e.g. results/rehearsal-hub")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface; "
+                   "anyone who reaches the port can read the files)")
     p.add_argument("--port", type=int, default=8790, help="port (0: a free one)")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a connection has to send its request head, and for each read "
+                   "or write after; then it is closed (default 30)")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="also serve files whose symlinks lead outside FOLDER (by default they "
+                   "are left out, with a warning)")
     p.set_defaults(func=cmd_serve_hub)
 
     p = sub.add_parser(
@@ -979,8 +989,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     p.add_argument("--hub", default="results/rehearsal-hub", help="the hub's folder")
-    p.add_argument("--host", default="0.0.0.0",
-                   help="bind address; 0.0.0.0 lets compute nodes reach it at this host's name")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default 127.0.0.1: only jobs on this machine reach the "
+                   "hub); where compute nodes are other machines, 0.0.0.0 (or this host's "
+                   "address on their network) lets them reach it at this host's name, and so "
+                   "can anyone else who reaches the port")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     p.set_defaults(func=cmd_rehearse)
 

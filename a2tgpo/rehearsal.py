@@ -20,8 +20,11 @@ huggingface.co. `rehearse`:
        index, published as two parts to concatenate (part_aa, part_ab), as Search-R1's is;
      - datasets/a2tgpo-rehearsal/FlashRAG_datasets: the world's questions in FlashRAG's
        layout (<subset>/<split>.jsonl) under the benchmark names the paper study uses;
-  2. serves it (`--host`, default 0.0.0.0, so compute nodes reach it; `--port`, default free)
-     and runs COMMAND with HF_ENDPOINT pointing at it (`http://<this host's name>:<port>`);
+  2. serves it (`--host`, default 127.0.0.1: jobs on this machine only; on a cluster whose
+     compute nodes are other machines, `--host 0.0.0.0` or this host's address on their
+     network, and anyone who reaches the port can read the hub; `--port`, default free) and
+     runs COMMAND with HF_ENDPOINT pointing at it (`http://<this host's name>:<port>` for a
+     wildcard bind, else `http://<host>:<port>`);
   3. stops the hub when COMMAND ends and returns COMMAND's status.
 The hub build is deterministic (fixed seeds), so config/rehearsal.yaml can state the corpus's
 line count, which download-and-verify checks.
@@ -197,7 +200,10 @@ def ensure_hub(out: str | Path, cfg: RehearsalHubConfig | None = None) -> dict:
     return build_hub(cfg or RehearsalHubConfig(), out)
 
 
-def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "0.0.0.0",
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "127.0.0.1",
              port: int = 0) -> int:
     """Steps 1-3 of the module docstring; returns COMMAND's exit status."""
     from a2tgpo.hub import LocalHub, summary
@@ -216,7 +222,12 @@ def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "0.0.0.0",
     public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
     with LocalHub(hub_dir, host=host, port=port, public_host=public) as hub:
         log.info("%s", summary(hub))
-        log.info("rehearsal hub: %d passages; running %s with HF_ENDPOINT=%s",
+        if host in LOOPBACK:
+            reach = (f"bound to {host}: only jobs on this machine reach it (--host 0.0.0.0 "
+                     "where compute nodes are other machines)")
+        else:
+            reach = f"bound to {host}: reachable from other machines, without authentication"
+        log.info("rehearsal hub (%s): %d passages; running %s with HF_ENDPOINT=%s", reach,
                  record["passages"], " ".join(command), hub.url)
         env = {**os.environ, "HF_ENDPOINT": hub.url}
         proc = subprocess.Popen(command, env=env)
