@@ -27,3 +27,7 @@ rule all:
     default_target: True
     input:
         all_targets(),
+
+
+# every rule is defined now: a set-resources / set-threads rule name must name one of them
+check_rule_settings()

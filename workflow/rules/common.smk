@@ -48,6 +48,23 @@ try:
 except ConfigError as e:
     sys.exit(f"invalid config: {e}")
 
+
+def check_rule_settings():
+    """A --set-resources / --set-threads rule name (a profile's set-resources or the command
+    line) that matches no rule is an error: Snakemake would ignore it (a2tgpo/rule_settings.py).
+    Called at the end of the Snakefile, once every rule is defined."""
+    from a2tgpo.rule_settings import rule_settings_error
+
+    rs = workflow.resource_settings
+    error = rule_settings_error(
+        {"set-resources": rs.overwrite_resources, "set-threads": rs.overwrite_threads},
+        [r.name for r in workflow.rules],
+        "profile or command line",
+    )
+    if error:
+        sys.exit(f"invalid resources: {error}")
+
+
 # 2. the JSON schema (generated from the same dataclasses by `a2tgpo config-doc --schema`)
 # on the config as loaded: it cannot fail where the loader passed, unless the schema file is
 # stale
