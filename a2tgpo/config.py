@@ -47,6 +47,27 @@ class InvalidKey(ValueError):
         self.key, self.msg = key, msg
 
 
+def refuse_repeats(key: str, values: tuple) -> None:
+    """InvalidKey naming the first value of `values` (the list at `key`) that repeats one."""
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise InvalidKey(f"{key}[{i}]", f"{v!r} is listed twice ({key}[{values.index(v)}])")
+
+
+def check_device(key: str, name: str) -> None:
+    """InvalidKey unless `name` is "auto" or a device torch can parse (a known type, maybe with
+    an index), whether or not this machine has one."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise InvalidKey(key, f"{name!r} is not a torch device ({e}); use auto, cpu, cuda or "
+                              "cuda:<index>") from None
+
+
 # seeds reach numpy's legacy seeding (vLLM's LLM(seed=), Optuna's grid sampler), which takes
 # 0 <= seed < 2**32; torch.manual_seed takes more, random.Random any int
 SEED_LIMIT = 2**32

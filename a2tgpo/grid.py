@@ -29,7 +29,16 @@ from typing import Literal
 
 from a2tgpo.cell import CELL_PATTERN as CELL_PATTERN  # the workflow's wildcard constraint
 from a2tgpo.cell import Cell, normalize_beta
-from a2tgpo.config import ConfigError, apply_overrides, from_dict, option, to_dict
+from a2tgpo.config import (
+    SEED_LIMIT,
+    ConfigError,
+    InvalidKey,
+    apply_overrides,
+    from_dict,
+    option,
+    refuse_repeats,
+    to_dict,
+)
 from a2tgpo.train.config import TrainSettings
 
 
@@ -44,7 +53,7 @@ class CellSet:
     betas: tuple[float, ...] = option(
         (), "Adaptive-clip strengths β (a cell each); every method of the set must read β "
         "(loss.adaptive_clip: true). Empty = each method's own β.", ge=0)
-    seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).", ge=0)
+    seeds: tuple[int, ...] = option((1,), "Seeds (one cell each).", ge=0, lt=SEED_LIMIT)
     exclude: tuple[str, ...] = option((), "\"backbone:method\" pairs left out (e.g. "
                                           "\"qwen3-4b:tree_grpo\").")
     only: tuple[str, ...] = option((), "\"backbone:method\" pairs: if given, a method listed "
@@ -61,6 +70,10 @@ class CellSet:
             if pair.count(":") != 1:
                 raise ValueError(f"expected \"backbone:method\", got {pair!r}")
         object.__setattr__(self, "betas", tuple(normalize_beta(b) for b in self.betas))
+        # a value listed twice makes each of its cells twice: a seed counted twice in a mean
+        # and its confidence interval
+        for key in ("methods", "backbones", "tracks", "betas", "seeds"):
+            refuse_repeats(key, getattr(self, key))
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,10 @@ class GridConfig:
                                                  "make the tables in <study>/tables/.")
 
     def __post_init__(self) -> None:
+        if not self.default:
+            raise InvalidKey("default", "name at least one set: the default target would run "
+                                        "nothing")
+        refuse_repeats("default", self.default)
         for name in self.default:
             if name not in self.sets:
                 raise ValueError(f"default set {name!r} is not in sets ({', '.join(self.sets)})")
@@ -130,6 +147,10 @@ class TrackConfig:
 
     train: tuple[str, ...] = option(doc="Names of data.train sources this track trains on.")
     test: tuple[str, ...] = option(doc="Names of data.test sources this track is tested on.")
+
+    def __post_init__(self) -> None:
+        refuse_repeats("train", self.train)
+        refuse_repeats("test", self.test)
 
 
 def cells_of(grid: GridConfig, set_name: str, study_backbones: tuple[str, ...],

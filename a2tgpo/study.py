@@ -26,6 +26,7 @@ from a2tgpo.config import (
     json_schema,
     option,
     read_yaml,
+    refuse_repeats,
 )
 from a2tgpo.data.corpus import CorpusConfig
 from a2tgpo.data.qa import DataConfig
@@ -157,6 +158,7 @@ class StudyConfig:
             raise ValueError(f"study must be a non-empty name without '/', got {self.study!r}")
         if not self.backbones:
             raise ValueError("backbones must name at least one backbone")
+        refuse_repeats("backbones", self.backbones)
 
     @property
     def root(self) -> Path:
@@ -208,6 +210,10 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
         cfg = load_backbone_config(path)
         if cfg.id != b:
             raise ConfigError(f"{path}: id: {cfg.id!r} does not match the file name {b!r}")
+    for role in ("train", "test"):
+        for i, s in enumerate(getattr(study.data, role)):
+            if error := _data_repo_error(study, s):
+                raise ConfigError(f"{source}: data.{role}[{i}].{error}")
     train_names = {s.name for s in study.data.train}
     test_names = {s.name for s in study.data.test}
     for name in study.train.regimes:
@@ -235,6 +241,44 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
                           f"{train.engine} engine on {need} GPU(s)"
                           + (" (train.rollout_tp)" if train.engine == "vllm" else ""))
     return study
+
+
+def _data_repo_error(study: StudyConfig, src) -> str | None:
+    """Why `prepare-data` could not read data source `src` ("<key>: <why>"; None: it may),
+    found without the network. qa.resolve_file reads a repo that exists or starts with /, . or
+    ~ as a local folder, anything else as a hub dataset id; a repo under <root>/world is the
+    toy world's QA folder, which the DAG writes before it prepares data (common.smk
+    uses_world), so its subset and split must be ones the world writes."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    world = f"{study.root}/world"
+    if src.repo.startswith(world):
+        qa = {s.name: s.splits for s in study.world.qa_sets}
+        if src.repo.rstrip("/") != f"{world}/qa" or src.loader != "flashrag":
+            return (f"repo: {src.repo}: the toy world's questions are read from {world}/qa "
+                    "with loader flashrag")
+        if src.subset not in qa:
+            return (f"subset: {src.subset!r} is not one of the world's qa_sets "
+                    f"({', '.join(qa)})")
+        splits = ("test", "dev") if src.split == "auto" else (src.split,)
+        if not set(splits) & set(qa[src.subset]):
+            return (f"split: world.qa_sets {src.subset} has no split "
+                    f"{' or '.join(splits)} ({', '.join(qa[src.subset])})")
+        return None
+    local = Path(src.repo).expanduser()
+    if local.exists():
+        return None if local.is_dir() else f"repo: {src.repo} is a file, not a folder"
+    if src.repo.startswith(("/", ".", "~")):
+        return f"repo: no such local folder: {src.repo}"
+    try:
+        validate_repo_id(src.repo)
+    except HFValidationError:
+        # the toy config's QA folder, results_dir changed and the repos not (or a typo)
+        hint = (f"; this study's toy world writes its questions to {world}/qa"
+                if src.repo.rstrip("/").endswith("/world/qa") else "")
+        return (f"repo: {src.repo!r} is neither a local folder nor a hub dataset id "
+                f"(owner/name){hint}")
+    return None
 
 
 def load_study(path: str | Path, overrides=()) -> StudyConfig:

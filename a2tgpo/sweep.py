@@ -48,7 +48,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from a2tgpo.config import ConfigError, from_dict, load_config, option, parse_override, to_dict
+from a2tgpo.config import (
+    SEED_LIMIT,
+    ConfigError,
+    from_dict,
+    load_config,
+    option,
+    parse_override,
+    to_dict,
+)
 from a2tgpo.lock import folder_lock
 
 log = logging.getLogger(__name__)
@@ -146,7 +154,7 @@ class SamplerConfig:
         "grid = GridSampler over low..high by step (every searched value needs a step).")
     seed: int = option(0, "Sampler seed. tpe: trial job i seeds its sampler with (seed, i), "
                           "so random start-up points do not repeat across parallel jobs; "
-                          "grid: the order the grid is visited in.", ge=0)
+                          "grid: the order the grid is visited in.", ge=0, lt=SEED_LIMIT)
     n_startup_trials: int = option(10, "tpe: random trials before TPE starts modelling.", ge=0)
 
     def __post_init__(self) -> None:
@@ -163,7 +171,7 @@ class SweepBase:
     method: str = option("a2tgpo", "Method id (config/methods/<id>.yaml); it must read the "
                                    "searched keys (β: loss.adaptive_clip true; γ: estimator "
                                    "igpo_family or gigpo).")
-    seed: int = option(1, "Training seed of every trial.", ge=0)
+    seed: int = option(1, "Training seed of every trial.", ge=0, lt=SEED_LIMIT)
     track: str = option("", "Training track (a key of the study's `tracks`); empty = the "
                             "study's single implicit track (a study without tracks).")
 

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from a2tgpo.config import from_dict, option, to_dict
+from a2tgpo.config import InvalidKey, from_dict, option, to_dict
 from a2tgpo.io import atomic_write_json, atomic_write_text, cut_unfinished_line, iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,34 @@ class TrackingConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.tracking_uri and (error := tracking_uri_error(self.tracking_uri)):
+            raise InvalidKey("tracking_uri", error)
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s}")
+
+
+# the URI schemes of the tracking stores mlflow registers (a test keeps this equal to mlflow's
+# registry), "" being a local path; SQLAlchemy URIs may name a driver (postgresql+psycopg2)
+MLFLOW_SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql",
+                  "databricks", "databricks-uc", "uc")
+
+
+def tracking_uri_error(uri: str) -> str | None:
+    """Why MLflow could open no tracking store at `uri` (None: it could try), read the way
+    mlflow picks the store, without importing it: by the URI's scheme, a store plugin's
+    (entry point group mlflow.tracking_store) included."""
+    from importlib.metadata import entry_points
+
+    scheme = urlsplit(uri).scheme.lower()
+    if len(scheme) == 1 or scheme.split("+")[0] in MLFLOW_SCHEMES:  # C:\... is a path
+        return None
+    if scheme in {e.name for e in entry_points(group="mlflow.tracking_store")}:
+        return None
+    return (f"{uri!r}: MLflow has no tracking store for scheme {scheme}: (a path, file:, "
+            "http(s):, sqlite:, postgresql:, mysql:, mssql: or databricks)")
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, results_dir: str | Path) -> str:

@@ -80,16 +80,24 @@ def rerun_study(tmp_path, monkeypatch):
     import subprocess
     from pathlib import Path
 
+    import yaml
+
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     results = tmp_path / "results"
     run = results / "toy" / "runs" / CELL
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = yaml.safe_load(Path("config/config.yaml").read_text())
+    cfg["results_dir"] = str(results)
+    for source in cfg["data"]["train"] + cfg["data"]["test"]:  # the toy world's QA folder
+        source["repo"] = source["repo"].replace("results/", f"{results}/", 1)
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(cfg))
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
 
     def rerun(*args):
-        return main(["rerun", *CELL_SELECTORS, "--config", f"results_dir={results}", *args])
+        return main(["rerun", *CELL_SELECTORS, "--configfile", str(configfile), *args])
 
     return rerun, run, calls
 

@@ -267,6 +267,24 @@ def test_every_numeric_config_key_declares_its_range_and_its_default_is_in_it():
     assert not bad_defaults
 
 
+def test_every_seed_key_is_bounded_by_what_the_seeded_libraries_take():
+    # torch.manual_seed raises from 2**64 on, numpy's legacy seeding (vLLM's LLM(seed=),
+    # Optuna's grid sampler) from 2**32, both for negative seeds; a seed key found here
+    # without the bound would reach them unchecked
+    import dataclasses
+
+    from a2tgpo.config import SEED_LIMIT
+
+    assert SEED_LIMIT == 2**32
+    seeds = {f"{name}.{f.name}": f.metadata.get("bounds") for name, cls in
+             _config_classes().items() for f in dataclasses.fields(cls)
+             if f.name in ("seed", "seeds")}
+    assert set(seeds) >= {"WorldConfig.seed", "ToyBackboneConfig.seed", "CopyPretrainConfig.seed",
+                          "SftConfig.seed", "DataConfig.seed", "CellSet.seeds", "TrainConfig.seed",
+                          "SweepBase.seed", "SamplerConfig.seed"}
+    assert {k: b for k, b in seeds.items() if b != {"ge": 0, "lt": SEED_LIMIT}} == {}
+
+
 @dataclass(frozen=True)
 class Tuned:
     inner: Inner = option(doc="nested, defaults other than Inner's",

@@ -24,8 +24,11 @@ from a2tgpo.train.config import TrainConfig, TrainSettings
 
 def test_float_noise_is_normalised_away():
     # 0.1 + 0.2 = 0.30000000000000004 in binary floating point; a set must still say 0.3
-    s = CellSet(methods=("a2tgpo",), betas=(0.1 + 0.2, 0.1 * 3))
-    assert s.betas == (0.3, 0.3)
+    s = CellSet(methods=("a2tgpo",), betas=(0.1 + 0.2, 0.7 - 0.2))
+    assert s.betas == (0.3, 0.5)  # not 0.30000000000000004, 0.49999999999999994
+    # two spellings of one β are one β listed twice: each of its cells would be made twice
+    with pytest.raises(ValueError, match=r"^betas\[1\]: 0\.3 is listed twice \(betas\[0\]\)$"):
+        CellSet(methods=("a2tgpo",), betas=(0.1 + 0.2, 0.1 * 3))
 
 
 def test_train_section_and_train_config_share_one_declaration_of_each_setting():

@@ -213,3 +213,124 @@ def test_check_config_refuses_a_dev_size_that_leaves_a_track_nothing_to_train_on
     # the multi_hop track trains on toy_hotpotqa's 4 rows alone: dev_size 4 leaves none
     assert cli.main(["check-config", "config/config.yaml", train, "data.dev_size=4"]) == 2
     err = capsys.readouterr().err
+
+
+WORLD_QA = "{name: x, loader: flashrag, repo: %s, subset: %s, split: %s, group: multi_hop}"
+SEED_BOUND = "must be >= 0 and < 4294967296"  # 2**32: numpy's legacy seeding, vLLM's LLM(seed=)
+
+
+@pytest.mark.parametrize("override, message", [
+    # non-finite floats: no key reads .inf as "unbounded", and NaN passes every comparison
+    ("train.optim.lr=.inf", r"train\.optim\.lr: inf is not a finite number"),
+    ("train.optim.lr=.nan", r"train\.optim\.lr: nan is not a finite number"),
+    ("train.optim.betas=[0.9, .nan]", r"train\.optim\.betas\[1\]: nan is not a finite number"),
+    ("retrieval.http.timeout_s=-.inf", r"retrieval\.http\.timeout_s: -inf is not a finite"),
+    ("train.seconds_per_step=.inf", r"train\.seconds_per_step: inf is not a finite number"),
+    # seeds past what the seeded libraries take (torch.manual_seed raises from 2**64 on, with
+    # no key named), or negative
+    ("grid.sets.main.seeds=[1, 18446744073709551616]",
+     rf"grid\.sets\.main\.seeds\[1\]: 18446744073709551616 is out of range: {SEED_BOUND}"),
+    ("grid.sets.main.seeds=[4294967296]", r"grid\.sets\.main\.seeds\[0\]: 4294967296 is out"),
+    ("world.seed=4294967296", rf"world\.seed: 4294967296 is out of range: {SEED_BOUND}"),
+    ("data.seed=4294967296", r"data\.seed: 4294967296 is out of range"),
+    ("toy_backbone.seed=4294967296", r"toy_backbone\.seed: 4294967296 is out of range"),
+    ("toy_backbone.copy.seed=4294967296", r"toy_backbone\.copy\.seed: 4294967296 is out of"),
+    ("sft.seed=4294967296", r"sft\.seed: 4294967296 is out of range"),
+    ("toy_reader.sft.seed=4294967296", r"toy_reader\.sft\.seed: 4294967296 is out of range"),
+    # sampling divides the logits by the temperature (greedy decoding is another switch)
+    ("train.rollout.temperature=0", (r"train\.rollout\.temperature: 0\.0 is out of range: must "
+                                    r"be > 0$")),
+    ("grid.default=[]", (r"grid\.default: name at least one set: the default target would run "
+                        r"nothing")),
+    ("tracking.tracking_uri=ftp://host/mlruns",
+     (r"tracking\.tracking_uri: 'ftp://host/mlruns': MLflow has no tracking store for scheme "
+     r"ftp:")),
+    ("tracking.tracking_uri=htp://localhost:5000", r"tracking\.tracking_uri: .* scheme htp:"),
+    ("train.device=gpu", r"train\.device: 'gpu' is not a torch device"),
+    ("train.device=cuda:x", r"train\.device: 'cuda:x' is not a torch device"),
+    ("retrieval.encoder.device=GPU", r"retrieval\.encoder\.device: 'GPU' is not a torch device"),
+    # a local data folder that is not there (a hub id owner/name is not a local path)
+    (("data.test=[{name: t, loader: flashrag, repo: ./no/such/dir, subset: nq, group: "
+     "single_hop}]"), r"data\.test\[0\]\.repo: no such local folder: \./no/such/dir$"),
+    ("data.test=[{name: t, loader: searchr1, repo: ~/no/such/dir, group: single_hop}]",
+     r"data\.test\[0\]\.repo: no such local folder: ~/no/such/dir$"),
+    ("data.test=[{name: t, loader: searchr1, repo: pyproject.toml, group: single_hop}]",
+     r"data\.test\[0\]\.repo: pyproject\.toml is a file, not a folder$"),
+    ("data.train=[%s]" % (WORLD_QA % ("results/tyo/world/qa", "toy_nq", "train")),
+     (r"data\.train\[0\]\.repo: 'results/tyo/world/qa' is neither a local folder nor a hub "
+     r"dataset id \(owner/name\); this study's toy world writes its questions to "
+     r"results/toy/world/qa$")),
+    # results_dir moved, the data repos not: prepare-data would have found nothing
+    ("results_dir=/tmp/elsewhere", (r"data\.train\[0\]\.repo: 'results/toy/world/qa' is "
+                                    r"neither .* writes its questions to "
+                                    r"/tmp/elsewhere/toy/world/qa$")),
+    # the toy world's QA folder is written by the DAG; what it will hold is known at load
+    ("data.train=[%s]" % (WORLD_QA % ("results/toy/world/qa", "toy_hotpotqa", "trian")),
+     (r"data\.train\[0\]\.split: world\.qa_sets toy_hotpotqa has no split trian \(train, "
+     r"dev\)$")),
+    ("data.train=[%s]" % (WORLD_QA % ("results/toy/world/qa", "toy_hotpot", "train")),
+     r"data\.train\[0\]\.subset: 'toy_hotpot' is not one of the world's qa_sets"),
+    ("data.train=[%s]" % (WORLD_QA % ("results/toy/world/qa/toy_hotpotqa", "toy_hotpotqa",
+                                      "train")),
+     r"data\.train\[0\]\.repo: .* the toy world's questions are read from results/toy/world/qa"),
+    # a value listed twice makes its cells twice (a seed counted twice in a mean and its CI)
+    ("grid.sets.main.seeds=[1, 2, 1]", (r"grid\.sets\.main\.seeds\[2\]: 1 is listed twice "
+                                       r"\(seeds\[0\]\)")),
+    ("grid.sets.beta.betas=[0.3, 0.30]", r"grid\.sets\.beta\.betas\[1\]: 0\.3 is listed twice"),
+    ("grid.sets.main.methods=[grpo, grpo]", r"grid\.sets\.main\.methods\[1\]: 'grpo' is listed"),
+    ("backbones=[toy_reader, toy_reader]", r"backbones\[1\]: 'toy_reader' is listed twice"),
+    ("tracks.single_hop.test=[toy_nq, toy_nq]",
+     r"tracks\.single_hop\.test\[1\]: 'toy_nq' is listed twice"),
+])
+def test_values_a_late_job_would_trip_on_are_refused_at_load(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_study(ROOT / "config/config.yaml", [override])
+    # the file (and the override) first, then the dotted key
+    lead = f"{ROOT / 'config/config.yaml'} (with overrides {override}): "
+    assert str(e.value).startswith(lead), str(e.value)
+    assert re.search(message, str(e.value)[len(lead):]), str(e.value)
+
+
+def test_a_duplicate_key_inside_an_override_is_refused():
+    with pytest.raises(ConfigError, match=r"^override 'train=\{optim: \{lr: 1e-6, lr: 1e-5\}\}': "
+                                          r"train\.optim\.lr: duplicate key$"):
+        load_study(ROOT / "config/config.yaml", ["train={optim: {lr: 1e-6, lr: 1e-5}}"])
+
+
+def test_accepted_near_misses_of_the_refused_values():
+    # the bounds are the libraries' own, not tighter: the largest seed, any torch device type
+    # with an index (whether or not this machine has it), every store scheme MLflow has, a hub
+    # dataset id that does not exist locally
+    study = load_study(ROOT / "config/config.yaml", [
+        "grid.sets.main.seeds=[0, 4294967295]", "train.device=cuda:3",
+        "retrieval.encoder.device=mps", "train.rollout.temperature=1e-3",
+        "tracking.tracking_uri=postgresql+psycopg2://u@db.example/mlflow"])
+    assert study.grid.sets["main"].seeds == (0, 4294967295)
+    paper = load_study(ROOT / "config/paper.yaml")  # hub ids RUC-NLPIR/FlashRAG_datasets
+    assert {s.repo for s in paper.data.test} == {"RUC-NLPIR/FlashRAG_datasets"}
+    for uri in ("http://login1:5000", "https://h", "sqlite:///r/mlflow.db", "mysql://h/db",
+                "file:///r/mlruns", "r/mlruns", "/abs/mlruns", "databricks"):
+        assert load_study(ROOT / "config/config.yaml", [f"tracking.tracking_uri={uri}"])
+
+
+def test_mlflow_schemes_are_the_stores_mlflow_registers():
+    # the list is read without importing mlflow (1 s); it must follow mlflow's own registry
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    from a2tgpo.tracking import MLFLOW_SCHEMES
+
+    assert set(MLFLOW_SCHEMES) == set(_tracking_store_registry._registry)
+
+
+@pytest.mark.parametrize("key, value", [("base.seed", 4294967296), ("sampler.seed", -1)])
+def test_a_sweep_seed_out_of_range_is_refused_by_check_config(tmp_path, capsys, key, value):
+    from a2tgpo import cli
+
+    sweep = yaml.safe_load((ROOT / "config/sweeps/toy.yaml").read_text())
+    section, name = key.split(".")
+    sweep[section][name] = value
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert cli.main(["check-config", "config/config.yaml", f"sweeps=[{path}]"]) == 2
+    err = capsys.readouterr().err
+    assert f"sweeps[0]: {path}: {key}: {value} is out of range: {SEED_BOUND}" in err, err

@@ -513,8 +513,14 @@ def test_snakemake_plans_the_sweep_target(tmp_path):
     """`snakemake sweep_toy` plans n_trials trial jobs and the summary; the default target
     has no sweep job."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    results = tmp_path / "results"
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["results_dir"] = str(results)
+    for source in cfg["data"]["train"] + cfg["data"]["test"]:  # the toy world's QA folder
+        source["repo"] = source["repo"].replace("results/", f"{results}/", 1)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     smk = [str(Path(sys.executable).parent / "snakemake"), "-n", "--quiet", "rules",
-           "--config", f"results_dir={tmp_path / 'results'}", "--"]
+           "--configfile", str(tmp_path / "config.yaml"), "--"]
     r = subprocess.run([*smk, "sweep_toy"], cwd=ROOT, capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from a2tgpo.config import ConfigError, load_config, option
+from a2tgpo.config import SEED_LIMIT, ConfigError, load_config, option
 from a2tgpo.data.jsonl import DataFileError, iter_jsonl
 from a2tgpo.io import atomic_path, atomic_write_json
 
@@ -93,7 +93,7 @@ class DataConfig:
     dev_size: int = option(0, "rows held out of the combined training rows (chosen by `seed`) "
                               "as the dev split for checkpoint selection; disjoint from train",
                            ge=0)
-    seed: int = option(0, "seed of the dev holdout", ge=0)
+    seed: int = option(0, "seed of the dev holdout", ge=0, lt=SEED_LIMIT)
     on_invalid_row: Literal["error", "drop"] = option(
         "error", "a row without a question or golden answers: 'error' stops, 'drop' skips and "
                  "counts it (reported in summary.json)")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from a2tgpo.config import option
+from a2tgpo.config import SEED_LIMIT, option
 from a2tgpo.io import atomic_path, atomic_write_json
 
 HopType = Literal["single", "bridge", "composition", "comparison"]
@@ -81,7 +81,8 @@ def _default_sets() -> tuple[QASetSpec, ...]:
 class WorldConfig:
     """Sizes and seed of the toy world (`a2tgpo world`)."""
 
-    seed: int = option(0, "Random seed; the same seed and sizes give byte-identical files.", ge=0)
+    seed: int = option(0, "Random seed; the same seed and sizes give byte-identical files.", ge=0,
+                       lt=SEED_LIMIT)
     countries: int = option(10, "Number of countries.", ge=1)
     cities: int = option(40, "Number of cities (each located in a country).", ge=1)
     people: int = option(150, "Number of people (born in a city, in a year; work for a company).",

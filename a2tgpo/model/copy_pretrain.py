@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from a2tgpo.config import option
+from a2tgpo.config import SEED_LIMIT, option
 from a2tgpo.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class CopyPretrainConfig:
     lr: float = option(2e-3, "Peak AdamW learning rate (linear warm-up, then cosine to 10%).",
                        gt=0)
     warmup_steps: int = option(100, "Linear warm-up updates.", ge=0)
-    seed: int = option(0, "Seed of the sequences (and of nothing else).", ge=0)
+    seed: int = option(0, "Seed of the sequences (and of nothing else).", ge=0,
+                       lt=SEED_LIMIT)
     min_accuracy: float = option(
         0.8, "Repeat accuracy the pretrained model must reach on held-out sequences (a fresh "
         "seed); below it the stage fails instead of passing on a model that cannot copy.",

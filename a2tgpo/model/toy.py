@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from a2tgpo.config import option
+from a2tgpo.config import SEED_LIMIT, option
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.copy_pretrain import CopyPretrainConfig, copy_pretrain
 from a2tgpo.rollout import prompts
@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
 class ToyBackboneConfig:
     """Tokenizer and model sizes of the toy backbone (`a2tgpo toy-backbone`)."""
 
-    seed: int = option(0, "Seed of the random weight initialisation.", ge=0)
+    seed: int = option(0, "Seed of the random weight initialisation.", ge=0, lt=SEED_LIMIT)
     vocab_size: int = option(
         4096, "Target BPE vocabulary (the world's text may support fewer merges).", ge=1
     )

@@ -52,7 +52,9 @@ class AgentConfig:
     prompt_style: prompts.PromptStyle = option(
         "a2tgpo", "a2tgpo = A2TGPO/AT2PO system prompt, <result>, \\boxed{}; search_r1 = "
         "Search-R1's user prompt and <information>.")
-    temperature: float = option(1.0, "Sampling temperature (A2TGPO App. B: 1.0).", ge=0)
+    temperature: float = option(
+        1.0, "Sampling temperature of training rollouts (A2TGPO App. B: 1.0); > 0, as sampling "
+        "divides by it (validation and evaluation decode greedily, without it).", gt=0)
     top_p: float = option(1.0, "Nucleus sampling mass (1.0 = off).", gt=0, le=1)
     max_turn_tokens: int = option(500, "Sampled tokens per turn (Search-R1: 500).", ge=1)
     max_response_tokens: int = option(

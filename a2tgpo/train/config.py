@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from a2tgpo.algo.methods import MethodConfig
-from a2tgpo.config import option
+from a2tgpo.config import SEED_LIMIT, check_device, option
 from a2tgpo.model.backbone import BackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig
@@ -126,6 +126,7 @@ class TrainSettings:
         "rollout wave.", ge=0)
 
     def __post_init__(self) -> None:
+        check_device("device", self.device)
         if self.stop_margin_s < 0:
             raise ValueError(f"stop_margin_s must be >= 0, got {self.stop_margin_s}")
         if self.zero_stage == 3:
@@ -162,7 +163,7 @@ class TrainConfig(TrainSettings):
     study: str = option("toy", "Study name (MLflow experiment).")
     cell: str = option("", "Grid cell path, e.g. backbone~toy/method~grpo/beta~0/seed~1.")
     seed: int = option(1, "Seed of data order, sampling and initialisation of anything random.",
-                       ge=0)
+                       ge=0, lt=SEED_LIMIT)
     backbone: BackboneConfig = option(doc="Starting policy (the toy: the warm-started model).")
     method: MethodConfig = option(doc="The method, fully resolved (config/methods/<id>.yaml).")
     train_file: str = option(doc="Prepared training questions (parquet).")
@@ -196,7 +197,8 @@ class TrainConfig(TrainSettings):
 class SftConfig:
     """The supervised warm start (sft section)."""
 
-    seed: int = option(0, "Seed of the demonstration choices, the data order and torch.", ge=0)
+    seed: int = option(0, "Seed of the demonstration choices, the data order and torch.", ge=0,
+                       lt=SEED_LIMIT)
     datasets: tuple[str, ...] = option(
         ("toy_nq/train", "toy_hotpotqa/train"),
         "World QA files <dataset>/<split> (qa/<dataset>/<split>.jsonl) to write demonstrations "
