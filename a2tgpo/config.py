@@ -72,6 +72,29 @@ def check_device(key: str, name: str) -> None:
 # 0 <= seed < 2**32; torch.manual_seed takes more, random.Random any int
 SEED_LIMIT = 2**32
 
+# Names the config turns into paths. NAME: the study, grid sets, training tracks and regimes,
+# sweeps: folders of the results, words of the DAG's shell commands, Snakemake targets (sets,
+# sweeps). FILE_NAME: one file or folder name that an id elsewhere also spells (a backbone id, a
+# dataset, a downloaded file). Neither can be '.', '..', hidden, absolute or hold a separator.
+NAME = re.compile(r"[a-z][a-z0-9_]*")
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def name_error(name: Any) -> str | None:
+    """Why `name` is not a NAME (None: it is one)."""
+    if isinstance(name, str) and NAME.fullmatch(name):
+        return None
+    return (f"{name!r}: use lowercase letters, digits and _, starting with a letter (the name "
+            "is a folder of the results and a word of the workflow's shell commands)")
+
+
+def file_name_error(name: Any) -> str | None:
+    """Why `name` is not a FILE_NAME (None: it is one)."""
+    if isinstance(name, str) and FILE_NAME.fullmatch(name):
+        return None
+    return (f"{name!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit "
+            "(one file or folder name: no path)")
+
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
            "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +34,7 @@ from a2tgpo.config import (
     InvalidKey,
     apply_overrides,
     from_dict,
+    name_error,
     option,
     refuse_repeats,
     to_dict,
@@ -93,9 +93,9 @@ class GridConfig:
         for name in self.default:
             if name not in self.sets:
                 raise ValueError(f"default set {name!r} is not in sets ({', '.join(self.sets)})")
-        for name in self.sets:
-            if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-                raise ValueError(f"set name {name!r}: use lowercase letters, digits and _")
+        for name in self.sets:  # also Snakemake targets and folders tables/<set>/
+            if error := name_error(name):
+                raise InvalidKey(f"sets.{name}", error)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,10 +19,13 @@ from typing import Any, Literal
 from a2tgpo.cell import Cell
 from a2tgpo.config import (
     ConfigError,
+    InvalidKey,
     apply_overrides,
     dump_config,
+    file_name_error,
     from_dict,
     json_schema,
+    name_error,
     option,
     read_yaml,
     refuse_repeats,
@@ -154,8 +156,8 @@ class StudyConfig:
         "`snakemake sweep_<name>`, not part of the default target.")
 
     def __post_init__(self) -> None:
-        if not self.study or "/" in self.study:
-            raise ValueError(f"study must be a non-empty name without '/', got {self.study!r}")
+        if error := name_error(self.study):
+            raise InvalidKey("study", error)
         if not self.backbones:
             raise ValueError("backbones must name at least one backbone")
         refuse_repeats("backbones", self.backbones)
@@ -203,7 +205,14 @@ def study_schema() -> dict:
 def study_from_dict(data: dict, source: str) -> StudyConfig:
     """Strict validation of an already-parsed study config (Snakemake's `config` dict)."""
     study = from_dict(StudyConfig, data, source=source)
+    for key in ("results_dir", "cache_dir"):
+        if error := _folder_error(getattr(study, key)):
+            raise ConfigError(f"{source}: {key}: {error}")
+    if error := _folder_error(study.root):
+        raise ConfigError(f"{source}: study: {error} (<results_dir>/<study>)")
     for i, b in enumerate(study.backbones):
+        if error := file_name_error(b):  # also <root>/models/<id>
+            raise ConfigError(f"{source}: backbones[{i}]: {error}")
         path = Path(study.backbones_dir) / f"{b}.yaml"
         if not path.exists():
             raise ConfigError(f"{source}: backbones[{i}]: no backbone file {path}")
@@ -217,12 +226,11 @@ def study_from_dict(data: dict, source: str) -> StudyConfig:
     train_names = {s.name for s in study.data.train}
     test_names = {s.name for s in study.data.test}
     for name in study.train.regimes:
-        if not re.fullmatch(r"[a-z0-9_]+", name):  # a path component of its cells
-            raise ConfigError(f"{source}: train.regimes.{name}: use lowercase letters, digits "
-                              "and _")
+        if error := name_error(name):  # a path component of its cells
+            raise ConfigError(f"{source}: train.regimes.{name}: {error}")
     for name, track in study.tracks.items():
-        if not re.fullmatch(r"[a-z0-9_]+", name):
-            raise ConfigError(f"{source}: tracks.{name}: use lowercase letters, digits and _")
+        if error := name_error(name):
+            raise ConfigError(f"{source}: tracks.{name}: {error}")
         for key, names, known in (("train", track.train, train_names),
                                   ("test", track.test, test_names)):
             if not names:
@@ -278,6 +286,17 @@ def _data_repo_error(study: StudyConfig, src) -> str | None:
                 if src.repo.rstrip("/").endswith("/world/qa") else "")
         return (f"repo: {src.repo!r} is neither a local folder nor a hub dataset id "
                 f"(owner/name){hint}")
+    return None
+
+
+def _folder_error(path: str | Path | None) -> str | None:
+    """Why the DAG could not write into folder `path` (None: it can, or `path` is None): it,
+    or the nearest of its parents that exists, is not a folder."""
+    if path is None:
+        return None
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            return None if part.is_dir() else f"{part} exists and is not a folder"
     return None
 
 

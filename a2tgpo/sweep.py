@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,8 +50,10 @@ from typing import Any, Literal
 from a2tgpo.config import (
     SEED_LIMIT,
     ConfigError,
+    InvalidKey,
     from_dict,
     load_config,
+    name_error,
     option,
     parse_override,
     to_dict,
@@ -200,8 +201,8 @@ class SweepConfig:
         "[schedule.steps=4]; run_dir, cell, results_dir, beta and gamma are the sweep's.")
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
-            raise ValueError(f"name {self.name!r}: use lowercase letters, digits and _")
+        if error := name_error(self.name):
+            raise InvalidKey("name", error)
         if self.name in RESERVED_NAMES:
             raise ValueError(f"name {self.name!r} is reserved (rule sweep_{self.name} exists)")
         if self.n_trials < 1:

@@ -47,7 +47,7 @@ from typing import Any, BinaryIO
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.file_download import HfFileMetadata
 
-from a2tgpo.config import load_config, option
+from a2tgpo.config import InvalidKey, file_name_error, load_config, option
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.progress import progress_bar
 
@@ -86,6 +86,11 @@ class PrebuiltIndexConfig:
     def __post_init__(self) -> None:
         if not self.parts:
             raise ValueError("parts: name at least one part file")
+        # each a file of the output folder (the parts while they download)
+        for key, name in [*((f"parts[{i}]", p) for i, p in enumerate(self.parts)),
+                          ("combined_name", self.combined_name)]:
+            if error := file_name_error(name):
+                raise InvalidKey(key, error)
         if len(set(self.parts)) != len(self.parts):
             raise ValueError(f"parts: duplicate names in {list(self.parts)}")
         if self.expected_bytes is not None and self.expected_bytes <= 0:
@@ -127,6 +132,8 @@ class CorpusConfig:
     )
 
     def __post_init__(self) -> None:
+        if error := file_name_error(self.filename):  # <out>/<filename>
+            raise InvalidKey("filename", error)
         if self.expected_lines is not None and self.expected_lines < 0:
             raise ValueError(f"expected_lines: must be >= 0, got {self.expected_lines}")
         if self.expected_bytes is not None and self.expected_bytes <= 0:

@@ -43,13 +43,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from a2tgpo.config import SEED_LIMIT, ConfigError, load_config, option
+from a2tgpo.config import SEED_LIMIT, ConfigError, file_name_error, load_config, option
 from a2tgpo.data.jsonl import DataFileError, iter_jsonl
 from a2tgpo.io import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
-
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +70,15 @@ class DatasetSource:
     revision: str | None = option(None, "hub revision (branch, tag or commit) to pin; hub only")
 
     def __post_init__(self) -> None:
-        if not _SAFE_NAME.match(self.name):
-            raise ValueError(f"name {self.name!r} must match {_SAFE_NAME.pattern}")
-        if self.loader == "flashrag" and not _SAFE_NAME.match(self.subset):
+        # file names: test/<name>.parquet, <repo>/<subset>/<split>.jsonl
+        if error := file_name_error(self.name):
+            raise ValueError(f"name {error}")
+        if self.loader == "flashrag" and file_name_error(self.subset):
             raise ValueError(f"subset {self.subset!r}: the flashrag loader needs a folder name")
         if self.loader == "searchr1" and self.subset:
             raise ValueError("subset is only used by the flashrag loader; leave it empty")
-        if not _SAFE_NAME.match(self.split):
-            raise ValueError(f"split {self.split!r} must match {_SAFE_NAME.pattern}")
+        if error := file_name_error(self.split):
+            raise ValueError(f"split {error}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 or null, got {self.limit}")
 

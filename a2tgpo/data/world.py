@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from a2tgpo.config import SEED_LIMIT, option
+from a2tgpo.config import SEED_LIMIT, InvalidKey, file_name_error, option
 from a2tgpo.io import atomic_path, atomic_write_json
 
 HopType = Literal["single", "bridge", "composition", "comparison"]
@@ -53,6 +53,8 @@ class QASetSpec:
     )
 
     def __post_init__(self) -> None:
+        if error := file_name_error(self.name):  # the folder qa/<name>/
+            raise InvalidKey("name", error)
         bad = sorted(set(self.mix) - set(HOP_TYPES))
         if bad:
             raise ValueError(f"qa set {self.name}: unknown hop types {bad}; valid: {HOP_TYPES}")

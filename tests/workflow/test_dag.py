@@ -88,6 +88,45 @@ def test_nested_config_values_reach_the_study_typed(workdir):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_every_shell_command_quotes_its_paths(workdir):
+    """A results folder whose name holds a space and a command substitution: in a dry run
+    (--printshellcmds), every shell command Snakemake would run keeps each path one word, so
+    nothing is split and nothing substituted. The targets reach every rule with a shell
+    command but the hub fetches and the corpus download."""
+    import shlex
+
+    results = workdir / "my results $(touch PWNED)"
+    cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    cfg["results_dir"] = str(results)
+    for source in cfg["data"]["train"] + cfg["data"]["test"]:  # the toy world's QA folder
+        source["repo"] = source["repo"].replace("results/", f"{results}/", 1)
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    r = smk(workdir, "-n", "--printshellcmds", "all", "sweep_toy", "beta", "--config",
+            "train={'selection': 'test_avg'}", "backbones=['toy_reader', 'toy']",
+            "retrieval={'mode': 'http', 'http': {'serve': 'job'}}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    commands = {}
+    for block in r.stdout.split("\n\n"):
+        rule = re.search(r"^rule (\w+):", block, re.M)
+        shell = re.search(r"^Shell command: (.*)$", block, re.M)
+        if rule and shell and shell.group(1) != "None":  # None: a run: rule
+            commands.setdefault(rule.group(1), []).append(shell.group(1))
+    assert set(commands) == {
+        "world", "toy_backbone", "prepare_data", "prepare_track_data", "encode_shard",
+        "build_index", "check_index", "retrieval_eval", "sft", "train", "evaluate_all",
+        "select", "evaluate", "tables", "plots", "set_tables", "set_plots", "sweep_trial",
+        "sweep_summary"}, sorted(commands)
+    for rule, cmds in commands.items():
+        for cmd in cmds:
+            # as the shell splits it: a word that starts the results path holds all of it
+            words = [w for w in shlex.split(cmd) if str(workdir / "my") in w]
+            assert words, (rule, cmd)
+            assert all(w.startswith(str(results)) for w in words), (rule, cmd)
+    # a job's own retrieval server (a command prefix built in common.smk) quotes its paths too
+    for rule in ("train", "sweep_trial", "evaluate"):
+        assert all(f"with-retriever '{results}/" in c for c in commands[rule]), rule
+
+
 def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
     """The toy study shrunk to seconds per stage: a small world, the built backbone (`toy`:
     tokenizer, model and SFT stages, which the default study's shipped reader skips) with one

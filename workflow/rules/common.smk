@@ -1,12 +1,13 @@
 # Config validation (before any job starts), study paths and the target list.
 
+import shlex
 import sys
 from pathlib import Path
 
 from snakemake.utils import validate
 
 import a2tgpo.study as study_lib
-from a2tgpo.config import ConfigError, parse_override, read_yaml, to_dict
+from a2tgpo.config import NAME, ConfigError, parse_override, read_yaml, to_dict
 from a2tgpo.study import study_from_dict
 
 
@@ -229,7 +230,7 @@ def eval_all_runtime(wc):
 # a job's own retrieval server (retrieval.http.serve: job): `a2tgpo with-retriever` starts it
 # on the job's node, runs the job against it and stops it
 WITH_RETRIEVER = (
-    "a2tgpo with-retriever {input.cfg} -- "
+    "a2tgpo with-retriever {input.cfg:q} -- "
     if STUDY.retrieval.mode == "http" and STUDY.retrieval.http.serve == "job"
     else ""
 )
@@ -238,8 +239,10 @@ WITH_RETRIEVER = (
 def with_retriever(cfg_path, state_dir=None):
     """WITH_RETRIEVER for the cell config `cfg_path` (a rule's params); `state_dir`: where the
     server keeps its files, if not in the config's run folder."""
-    where = f"{cfg_path} --state-dir {state_dir}" if state_dir else cfg_path
-    return WITH_RETRIEVER.replace("{input.cfg}", where)
+    where = shlex.quote(str(cfg_path))
+    if state_dir:
+        where += f" --state-dir {shlex.quote(str(state_dir))}"
+    return WITH_RETRIEVER.replace("{input.cfg:q}", where)
 
 
 from a2tgpo.job_cpus import ENV as JOB_CPUS_ENV, THREAD_VARS
@@ -285,7 +288,7 @@ def set_cells(name):
 
 wildcard_constraints:
     cell=CELL_PATTERN,
-    track=r"[a-z0-9_]+",
+    track=NAME.pattern,
     backbone=r"[A-Za-z0-9._-]+",
 
 

@@ -27,7 +27,7 @@ rule world:
     log:
         f"{R}/logs/world.log",
     shell:
-        "a2tgpo world {input} --out {R}/world > {log} 2>&1"
+        "a2tgpo world {input:q} --out {R:q}/world > {log:q} 2>&1"
 
 
 rule toy_backbone:
@@ -41,7 +41,7 @@ rule toy_backbone:
     params:
         out=lambda wc, output: str(Path(output[0]).parent),
     shell:
-        "a2tgpo toy-backbone {input.cfg} --world {R}/world --out {params.out} > {log} 2>&1"
+        "a2tgpo toy-backbone {input.cfg:q} --world {R:q}/world --out {params.out:q} > {log:q} 2>&1"
 
 
 rule prepare_data:
@@ -56,7 +56,7 @@ rule prepare_data:
     log:
         f"{R}/logs/prepare_data.log",
     shell:
-        "a2tgpo prepare-data {input.cfg} --out {R}/data > {log} 2>&1"
+        "a2tgpo prepare-data {input.cfg:q} --out {R:q}/data > {log:q} 2>&1"
 
 
 rule track_data_config:
@@ -84,7 +84,7 @@ rule prepare_track_data:
     log:
         f"{R}/logs/prepare_data-{{track}}.log",
     shell:
-        "a2tgpo prepare-data {input.cfg} --out {R}/data/{wildcards.track} > {log} 2>&1"
+        "a2tgpo prepare-data {input.cfg:q} --out {R:q}/data/{wildcards.track} > {log:q} 2>&1"
 
 
 rule download_corpus:
@@ -102,4 +102,4 @@ rule download_corpus:
     resources:
         runtime=600,
     shell:
-        "a2tgpo download-corpus {input} --out {R}/corpus > {log} 2>&1"
+        "a2tgpo download-corpus {input:q} --out {R:q}/corpus > {log:q} 2>&1"

@@ -33,11 +33,11 @@ rule evaluate_all:
         "HF_HUB_OFFLINE=1 "
         + job_cpus_env(EVAL.threads)
         + WITH_RETRIEVER
-        + "a2tgpo evaluate {input.cfg} "
+        + "a2tgpo evaluate {input.cfg:q} "
         + EVAL_ARGS
         + " --all-checkpoints "
-        "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval_all > {log} 2>&1 "
-        "&& touch {output}"
+        "--test {params.tests:q} --out {R:q}/runs/{wildcards.cell}/eval_all > {log:q} 2>&1 "
+        "&& touch {output:q}"
 
 
 rule select:
@@ -54,8 +54,8 @@ rule select:
     params:
         criterion=TRAIN.selection,
     shell:
-        "a2tgpo select {R}/runs/{wildcards.cell} --criterion {params.criterion} --out {output} "
-        "> {log} 2>&1"
+        "a2tgpo select {R:q}/runs/{wildcards.cell} --criterion {params.criterion} "
+        "--out {output:q} > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -81,7 +81,7 @@ rule evaluate:
         "HF_HUB_OFFLINE=1 "
         + job_cpus_env(EVAL.threads)
         + WITH_RETRIEVER
-        + "a2tgpo evaluate {input.cfg} "
+        + "a2tgpo evaluate {input.cfg:q} "
         + EVAL_ARGS
-        + " --best {input.best} "
-        "--test {params.tests} --out {R}/runs/{wildcards.cell}/eval > {log} 2>&1"
+        + " --best {input.best:q} "
+        "--test {params.tests:q} --out {R:q}/runs/{wildcards.cell}/eval > {log:q} 2>&1"

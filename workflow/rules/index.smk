@@ -18,8 +18,8 @@ rule encode_shard:
         gpu=0 if RET.encoder.device == "cpu" else 1,
         runtime=720,
     shell:
-        "a2tgpo encode-corpus {input.cfg} --corpus {input.corpus} --shard {wildcards.shard} "
-        "--out {output} > {log} 2>&1"
+        "a2tgpo encode-corpus {input.cfg:q} --corpus {input.corpus:q} --shard {wildcards.shard} "
+        "--out {output:q} > {log:q} 2>&1"
 
 
 rule build_index:
@@ -35,8 +35,8 @@ rule build_index:
     resources:
         runtime=720,
     shell:
-        "a2tgpo build-index {input.cfg} --corpus {input.corpus} --shards {input.shards} "
-        "--out {output.index} > {log} 2>&1"
+        "a2tgpo build-index {input.cfg:q} --corpus {input.corpus:q} --shards {input.shards:q} "
+        "--out {output.index:q} > {log:q} 2>&1"
 
 
 rule check_index:
@@ -52,8 +52,8 @@ rule check_index:
     log:
         f"{R}/logs/check_index.log",
     shell:
-        "a2tgpo check-index {input.cfg} --corpus {input.corpus} --index {input.index} "
-        "--out {output} > {log} 2>&1"
+        "a2tgpo check-index {input.cfg:q} --corpus {input.corpus:q} --index {input.index:q} "
+        "--out {output:q} > {log:q} 2>&1"
 
 
 rule retrieval_eval:
@@ -67,8 +67,8 @@ rule retrieval_eval:
     log:
         f"{R}/logs/retrieval_eval.log",
     shell:
-        "a2tgpo retrieval-eval {input.cfg} --corpus {input.corpus} --index {input.index} "
-        "--world {R}/world --out {output} > {log} 2>&1"
+        "a2tgpo retrieval-eval {input.cfg:q} --corpus {input.corpus:q} --index {input.index:q} "
+        "--world {R:q}/world --out {output:q} > {log:q} 2>&1"
 
 
 rule sft:
@@ -90,6 +90,6 @@ rule sft:
     params:
         backbone=lambda wc, input: str(Path(input.backbone[0]).parent),
     shell:
-        "a2tgpo sft {input.cfg} --backbone {params.backbone} --world {R}/world "
-        "--corpus {input.corpus} --index {input.index} --holdout {R}/data/dev.parquet "
-        "--out {R}/sft > {log} 2>&1"
+        "a2tgpo sft {input.cfg:q} --backbone {params.backbone:q} --world {R:q}/world "
+        "--corpus {input.corpus:q} --index {input.index:q} --holdout {R:q}/data/dev.parquet "
+        "--out {R:q}/sft > {log:q} 2>&1"

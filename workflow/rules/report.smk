@@ -26,7 +26,7 @@ rule tables:
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
-        "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables > {log} 2>&1"
+        "a2tgpo tables --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/tables > {log:q} 2>&1"
 
 
 rule plots:
@@ -48,7 +48,7 @@ rule plots:
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
-        "a2tgpo plots --cells {params.cells} --config {input.cfg} --out {R}/plots > {log} 2>&1"
+        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/plots > {log:q} 2>&1"
 
 
 rule set_tables:
@@ -64,8 +64,8 @@ rule set_tables:
     params:
         cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     shell:
-        "a2tgpo tables --cells {params.cells} --config {input.cfg} --out {R}/tables/{wildcards.set} "
-        "> {log} 2>&1"
+        "a2tgpo tables --cells {params.cells:q} --config {input.cfg:q} "
+        "--out {R:q}/tables/{wildcards.set} > {log:q} 2>&1"
 
 
 rule set_plots:
@@ -81,7 +81,7 @@ rule set_plots:
     params:
         cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     shell:
-        "a2tgpo plots --cells {params.cells} --config {input.cfg} --out {output} > {log} 2>&1"
+        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {output:q} > {log:q} 2>&1"
 
 
 wildcard_constraints:

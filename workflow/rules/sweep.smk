@@ -7,11 +7,11 @@
 
 import json
 
-from a2tgpo.config import to_dict
+from a2tgpo.config import NAME, to_dict
 
 
 wildcard_constraints:
-    sweep=r"[a-z][a-z0-9_]*",
+    sweep=NAME.pattern,
     trial=r"[0-9]+",
 
 
@@ -59,8 +59,8 @@ rule sweep_trial:
     shell:
         "HF_HUB_OFFLINE=1 "
         + job_cpus_env(TRAIN.threads)
-        + "exec {params.retriever}a2tgpo sweep-trial "
-        "{params.sweep} --index {wildcards.trial} --base {input.base} --out {output} --log {log}"
+        + "exec {params.retriever}a2tgpo sweep-trial {params.sweep:q} --index {wildcards.trial} "
+        "--base {input.base:q} --out {output:q} --log {log:q}"
 
 
 rule sweep_summary:
@@ -79,7 +79,7 @@ rule sweep_summary:
     params:
         sweep=lambda wc: SWEEPS[wc.sweep][0],
     shell:
-        "a2tgpo sweep-summary {params.sweep} --dir {R}/sweeps/{wildcards.sweep} 2>&1 | tee {log}"
+        "a2tgpo sweep-summary {params.sweep:q} --dir {R:q}/sweeps/{wildcards.sweep} 2>&1 | tee {log:q}"
 
 
 for _name in SWEEPS:

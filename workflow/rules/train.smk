@@ -3,6 +3,7 @@
 # failed or preempted job leaves its checkpoints, and the rerun resumes from the last one.
 
 import json
+import shlex
 
 from a2tgpo.config import to_dict
 
@@ -37,7 +38,7 @@ rule fetch_backbone:
         out=lambda wc: study_lib.model_dir(STUDY, wc.backbone),
         revision=lambda wc: str(BACKBONES[wc.backbone].revision),
     shell:
-        "a2tgpo fetch-backbone {params.cfg} --out {params.out} > {log} 2>&1"
+        "a2tgpo fetch-backbone {params.cfg:q} --out {params.out:q} > {log:q} 2>&1"
 
 
 rule fetch_encoder:
@@ -52,13 +53,13 @@ rule fetch_encoder:
     params:
         repo=STUDY.retrieval.encoder.model,
         revision=(
-            f" --revision {STUDY.retrieval.encoder.revision}"
+            f" --revision {shlex.quote(STUDY.retrieval.encoder.revision)}"
             if STUDY.retrieval.encoder.revision
             else ""
         ),
         out=lambda wc: study_lib.encoder_dir(STUDY),
     shell:
-        "a2tgpo fetch-model {params.repo}{params.revision} --out {params.out} > {log} 2>&1"
+        "a2tgpo fetch-model {params.repo:q}{params.revision} --out {params.out:q} > {log:q} 2>&1"
 
 
 ruleorder: fetch_encoder > fetch_backbone
@@ -114,4 +115,4 @@ rule train:
     shell:
         "HF_HUB_OFFLINE=1 "
         + job_cpus_env(TRAIN.threads)
-        + "exec {params.retriever}{params.cmd} {input.cfg} > {log} 2>&1"
+        + "exec {params.retriever}{params.cmd} {input.cfg:q} > {log:q} 2>&1"
