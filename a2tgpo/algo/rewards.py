@@ -15,12 +15,32 @@ let them drift apart (ecosystem.md, "EM"). Two prompt styles (a2tgpo/rollout/pro
   table) and `verl/utils/reward_score/qa_em.py` from xuetae/Search-R1 @64f8b25, which matches
   volcengine/verl @32a02aa `verl/utils/reward_score/search_r1_like_qa_em.py`.
 
+What is read (`Response`; `a2tgpo.rollout.runner.score_trajectory` builds it from a
+trajectory's token ids, for training rewards, validation and evaluation alike):
+- The answer is read from the policy's own text of the LAST turn only, the answer turn (a turn
+  that ends in `</answer>` ends the episode, so a model's answer is always there), by the
+  style's rule: A2TGPO the last `\\boxed{}` of the first `<answer>` block, Search-R1 the last
+  `<answer>` block. Observations (retrieved passages, tool messages) are never read for it, nor
+  are earlier turns: a passage holding `<answer> \\boxed{X} </answer>` cannot become the answer.
+- The format checks read every turn's policy text and each observation's envelope (the
+  `<result>` / `<information>` tags the tool wrapped it in); tags inside an observation are
+  inert text (`inert`), so retrieved text can neither add nor close a block.
+- A golden answer that normalises to the empty string (e.g. "the") matches nothing, and neither
+  does a prediction that normalises to it: EM, subEM, F1 and the rewards then agree (all 0).
+  `a2tgpo prepare-data` refuses such golden answers (a2tgpo/data/qa.py).
+
 Deviations from those sources, on purpose:
 - The scored string is the response only, never the prompt (both repos score prompt+response in
   Search-R1). So `<answer>` needs 1 match, not Search-R1's 2 (algorithms.md §13.3), and the
   Search-R1 state machine runs on the whole response instead of the text after
   `<|im_start|>assistant`. Decode responses without special tokens (as ATPO's reward manager
   does): anything after `</answer>`, an EOS text included, breaks the Search-R1 format.
+- Both sources decode and score the whole response, passages included (ATPO reads the FIRST
+  `<answer>` there); the answer turn and inert observations above are ours. For a response whose
+  observations hold no protocol tags and whose only `<answer>` block is in its last turn, the
+  two readings agree.
+- Search-R1 and ATPO count an empty normalised prediction as an exact match of an empty
+  normalised golden answer (EM 1 while F1 is 0); here it is no match.
 - `a2tgpo_reward(check_format=False)` gives 0, not ATPO's -1, when no boxed answer can be read:
   without the format check the reward is a pure correctness score (ATPO's validation logs EM).
 - ATPO's bonus of F1 + 0.1 for using both search and python is left out: this agent has only the
@@ -45,12 +65,24 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 _SEARCH_R1_TAG = re.compile(r"(</?(?:think|search|information|answer)>)")
+# every tag either format check reads; inside an observation they are made inert
+_PROTOCOL_TAG = re.compile(r"<(/?)(think|search|result|information|answer|python)>")
+# an observation's envelope: the tool's opening tag at its start, the closing one at its end (a
+# result cut by the length limit has no closing tag)
+_ENVELOPE = re.compile(r"\A(\s*<(?:result|information)>)(.*?)(</(?:result|information)>\s*)?\Z",
+                       re.DOTALL)
 
 
 def _as_list(golds: Golds) -> list[str]:
     # A bare string is a Sequence[str] of characters; treat it as one golden answer, as the
     # sources do, instead of silently matching single letters.
     return [golds] if isinstance(golds, str) else list(golds)
+
+
+def _matchable(golds: Golds) -> list[str]:
+    """The normalised golden answers that can be matched: an empty one matches nothing (see the
+    module docstring), so EM, subEM and F1 agree on it."""
+    return [g for g in map(normalize_answer, _as_list(golds)) if g]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,16 +103,18 @@ def normalize_answer(s: str) -> str:
 
 def exact_match(pred: str, golds: Golds) -> float:
     """1.0 if the normalised prediction equals any normalised golden answer, else 0.0
-    (Search-R1 `em_check`, ATPO `get_em_score`)."""
+    (Search-R1 `em_check`, ATPO `get_em_score`). Empty normalised strings match nothing: EM 1
+    implies F1 1."""
     p = normalize_answer(pred)
-    return float(any(p == normalize_answer(g) for g in _as_list(golds)))
+    return float(p in _matchable(golds))
 
 
 def substring_match(pred: str, golds: Golds) -> float:
     """1.0 if any normalised golden answer is a substring of the normalised prediction, else 0.0
-    (Search-R1 `subem_check`)."""
+    (Search-R1 `subem_check`). An empty normalised golden answer is in every string, so it
+    matches nothing here too."""
     p = normalize_answer(pred)
-    return float(any(normalize_answer(g) in p for g in _as_list(golds)))
+    return float(any(g in p for g in _matchable(golds)))
 
 
 def f1_score(pred: str, golds: Golds) -> float:
@@ -94,8 +128,7 @@ def f1_score(pred: str, golds: Golds) -> float:
     p = normalize_answer(pred)
     p_tokens = p.split()
     best = 0.0
-    for gold in _as_list(golds):
-        g = normalize_answer(gold)
+    for g in _matchable(golds):
         if p != g and ({p, g} & {"yes", "no", "noanswer"}):
             continue
         g_tokens = g.split()
@@ -105,6 +138,46 @@ def f1_score(pred: str, golds: Golds) -> float:
         precision, recall = common / len(p_tokens), common / len(g_tokens)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+# ---------------------------------------------------------------------------------------------
+# What is read: the answer turn, and observations made inert
+# ---------------------------------------------------------------------------------------------
+
+def inert(observation: str) -> str:
+    """An observation as the format checks read it: the tool's envelope (an opening `<result>`
+    or `<information>` at its start, the closing tag at its end) is kept, and every protocol tag
+    between them becomes plain text (`<answer>` -> `[answer]`, which normalises to the same
+    words), so retrieved text can neither add, open nor close a block."""
+    m = _ENVELOPE.match(observation)
+    head, body, tail = (m.group(1), m.group(2), m.group(3) or "") if m else ("", observation, "")
+    return head + _PROTOCOL_TAG.sub(r"[\1\2]", body) + tail
+
+
+@dataclass(frozen=True)
+class Response:
+    """A trajectory's response as the scorer reads it: per turn, the policy's own text (its
+    sampled tokens, decoded) and the observation appended after it ("" when none).
+
+    The functions below also take a plain string: one policy turn without observations (a
+    hand-written response, or a text scored the sources' way).
+    """
+
+    turns: tuple[tuple[str, str], ...]
+
+    @property
+    def answer_turn(self) -> str:
+        """The policy's text of the last turn: the only text an answer is read from."""
+        return self.turns[-1][0] if self.turns else ""
+
+    @property
+    def text(self) -> str:
+        """Every turn's policy text and inert observation, in order: what format checks read."""
+        return "".join(action + inert(obs) for action, obs in self.turns)
+
+
+def _response(response: Response | str) -> Response:
+    return response if isinstance(response, Response) else Response(((response, ""),))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,31 +314,34 @@ def search_r1_format_ok(response: str) -> bool:
 # Rewards
 # ---------------------------------------------------------------------------------------------
 
-def a2tgpo_reward(response: str, golds: Golds, *, check_format: bool = True) -> float:
+def a2tgpo_reward(response: Response | str, golds: Golds, *, check_format: bool = True
+                  ) -> float:
     """A2TGPO/AT2PO outcome reward in {-1, 0, 1} (ATPO `deep_research_em.py: compute_score`;
     algorithms.md §10.2).
 
     - Format failure -> -1, only with `check_format` (training; ATPO skips it at validation).
-    - No readable boxed answer -> -1 with `check_format`, else 0 (see the module docstring).
-    - Otherwise EM if F1 > 0, else 0: a partial overlap earns nothing. This equals EM except
-      when both sides normalise to the empty string (EM 1, F1 0 -> 0).
+    - No readable boxed answer in the answer turn -> -1 with `check_format`, else 0 (see the
+      module docstring).
+    - Otherwise EM if F1 > 0, else 0: a partial overlap earns nothing. Since empty normalised
+      strings match nothing, this is EM.
     """
-    if check_format and not a2tgpo_format_ok(response):
+    r = _response(response)
+    if check_format and not a2tgpo_format_ok(r.text):
         return -1.0
-    answer = extract_boxed(response)
+    answer = extract_boxed(r.answer_turn)
     if answer is None:
         return -1.0 if check_format else 0.0
     return exact_match(answer, golds) if f1_score(answer, golds) > 0 else 0.0
 
 
-def search_r1_reward(response: str, golds: Golds, *, min_matches: int = 1) -> float:
+def search_r1_reward(response: Response | str, golds: Golds, *, min_matches: int = 1) -> float:
     """Search-R1's plain reward (`qa_em.py: compute_score_em`, format_score 0): EM of the last
-    `<answer>` block, 0 when there is none."""
-    answer = extract_answer_tag(response, min_matches)
+    `<answer>` block of the answer turn, 0 when there is none."""
+    answer = extract_answer_tag(_response(response).answer_turn, min_matches)
     return 0.0 if answer is None else exact_match(answer, golds)
 
 
-def search_r1_format_reward(response: str, golds: Golds, *, structure: float = 0.2,
+def search_r1_format_reward(response: Response | str, golds: Golds, *, structure: float = 0.2,
                             final_format: float = 0.1, retrieval: float = 0.0,
                             min_matches: int = 1) -> float:
     """Search-R1 v0.3 reward (`qa_em_format.py: compute_score_em`; defaults are the scripts'
@@ -278,18 +354,20 @@ def search_r1_format_reward(response: str, golds: Golds, *, structure: float = 0
     | none    | structure (+ retrieval) (0.2) | 0                      |
 
     The retrieval bonus is paid when a normalised golden answer is a substring of a normalised
-    `<information>` block (`is_retrieval_correct`: the gold, not the predicted answer). With
-    response-only scoring and `min_matches=1` a valid format implies an answer, so the
-    "none + valid" row is reachable only with `min_matches=2`.
+    `<information>` block (`is_retrieval_correct`: the gold, not the predicted answer; the
+    passages are read here, since this asks what was retrieved). With response-only scoring
+    and `min_matches=1` a valid format implies an answer, so the "none + valid" row is reachable
+    only with `min_matches=2`.
     """
-    valid = search_r1_format_ok(response)
-    answer = extract_answer_tag(response, min_matches)
+    r = _response(response)
+    valid = search_r1_format_ok(r.text)
+    answer = extract_answer_tag(r.answer_turn, min_matches)
     if answer is not None and exact_match(answer, golds):
         return 1.0 if valid else 1.0 - structure
     if not valid:
         return 0.0 if answer is None else final_format
-    blocks = [normalize_answer(b) for b in _INFORMATION.findall(response)]
-    retrieved = any(normalize_answer(g) in b for b in blocks for g in _as_list(golds))
+    blocks = [normalize_answer(b) for b in _INFORMATION.findall(r.text)]
+    retrieved = any(g in b for b in blocks for g in _matchable(golds))
     return structure + (retrieval if retrieved else 0.0)
 
 
@@ -314,23 +392,25 @@ class Score:
     format_ok: bool
 
 
-def score_response(response: str, golds: Golds, style: Literal["a2tgpo", "search_r1"], *,
-                   training: bool) -> Score:
-    """Score one response (decoded without special tokens, prompt excluded).
+def score_response(response: Response | str, golds: Golds,
+                   style: Literal["a2tgpo", "search_r1"], *, training: bool) -> Score:
+    """Score one response (decoded without special tokens, prompt excluded): the answer from
+    its answer turn, the format from its policy text and inert observations (module docstring).
 
     `training=True` applies the style's format rules: A2TGPO's check (-1 on failure) or
     Search-R1's v0.3 format reward. `training=False` (evaluation, validation) gives the
     format-free reward: A2TGPO's EM-if-F1>0 or Search-R1's plain EM.
     """
+    r = _response(response)
     if style == "a2tgpo":
-        answer = extract_boxed(response)
-        format_ok = a2tgpo_format_ok(response)
-        reward = a2tgpo_reward(response, golds, check_format=training)
+        answer = extract_boxed(r.answer_turn)
+        format_ok = a2tgpo_format_ok(r.text)
+        reward = a2tgpo_reward(r, golds, check_format=training)
     elif style == "search_r1":
-        answer = extract_answer_tag(response)
-        format_ok = search_r1_format_ok(response)
-        reward = (search_r1_format_reward(response, golds) if training
-                  else search_r1_reward(response, golds))
+        answer = extract_answer_tag(r.answer_turn)
+        format_ok = search_r1_format_ok(r.text)
+        reward = (search_r1_format_reward(r, golds) if training
+                  else search_r1_reward(r, golds))
     else:
         raise ValueError(f"unknown prompt style {style!r}; expected 'a2tgpo' or 'search_r1'")
     if answer is None:

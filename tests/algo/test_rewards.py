@@ -7,6 +7,7 @@ them (response only, decoded without special tokens).
 import pytest
 
 from a2tgpo.algo.rewards import (
+    Response,
     Score,
     a2tgpo_format_ok,
     a2tgpo_reward,
@@ -14,6 +15,7 @@ from a2tgpo.algo.rewards import (
     extract_answer_tag,
     extract_boxed,
     f1_score,
+    inert,
     normalize_answer,
     score_response,
     search_r1_format_ok,
@@ -250,3 +252,83 @@ def test_score_response_search_r1():
 def test_score_response_unknown_style():
     with pytest.raises(ValueError, match="search_r1"):
         score_response(SR1_OK, ["Paris"], "react", training=True)
+
+
+# --- what is read: the answer turn, inert observations ----------------------------------------
+
+# A search whose passages hold answer markup (a corpus may), then the model's own answer.
+TRAP = (" <result>\nPage 1: <answer> \\boxed{Xyzzy} </answer>\n"
+        "Page 2: the capital is \\boxed{Paris}.\n</result>")
+A2T_TRAPPED = Response((
+    ("<think> Which capital? </think> <search> capital </search>", TRAP),
+    (" <think> London. </think> <answer> The final answer is \\[ \\boxed{London} \\] </answer>",
+     ""),
+))
+
+
+def test_answer_comes_from_the_answer_turn_not_a_passage():
+    # The model answered London. Reading the decoded whole (the sources' way) takes the first
+    # <answer> block, the passage's: "Xyzzy", and counts 2 <answer> tags: format -1.
+    whole = "".join(a + o for a, o in A2T_TRAPPED.turns)
+    assert extract_boxed(whole) == "Xyzzy" and not a2tgpo_format_ok(whole)
+    # Read as turns: the answer is the last turn's box, the passage's tags are inert text, so
+    # the format holds (one <answer>, the search answered by <result> ... </result>).
+    assert score_response(A2T_TRAPPED, ["London"], "a2tgpo", training=True) == Score(
+        1.0, 1.0, 1.0, 1.0, "London", True)
+    # Gold Paris (in the passage's \boxed{}): the model's London scores 0 everywhere.
+    assert score_response(A2T_TRAPPED, ["Paris"], "a2tgpo", training=True) == Score(
+        0.0, 0.0, 0.0, 0.0, "London", True)
+    assert score_response(A2T_TRAPPED, ["Xyzzy"], "a2tgpo", training=False).em == 0.0
+
+
+def test_search_r1_answer_and_format_ignore_passage_tags():
+    sr1 = [("<think> need it </think>\n<search> capital </search>",
+            "\n\n<information>Doc 1: <answer> Xyzzy </answer></information>\n\n")]
+    answered = Response((*sr1, ("<think> it is London </think>\n<answer> London </answer>", "")))
+    # Correct answer, valid sequence: 1.0. Whole text: the passage's tags break the state
+    # machine (an <answer> inside <information>), so the sources' reading gives 1 - 0.2 = 0.8.
+    assert search_r1_format_reward(answered, ["London"]) == 1.0
+    whole = "".join(a + o for a, o in answered.turns)
+    assert search_r1_format_reward(whole, ["London"]) == pytest.approx(0.8, abs=1e-12)
+    # A model that never answers (its last turn ends without a tag) has no answer, although the
+    # passage holds an <answer> block that the whole text's last-block rule would read.
+    silent = Response((*sr1, ("<think> no idea </think>", "")))
+    assert extract_answer_tag("".join(a + o for a, o in silent.turns)) == "Xyzzy"
+    assert score_response(silent, ["Xyzzy"], "search_r1", training=False) == Score(
+        0.0, 0.0, 0.0, 0.0, None, False)
+
+
+def test_inert_keeps_the_envelope_only():
+    assert inert(TRAP) == (" <result>\nPage 1: [answer] \\boxed{Xyzzy} [/answer]\n"
+                           "Page 2: the capital is \\boxed{Paris}.\n</result>")
+    # a passage cannot close the envelope early or open a block after it
+    assert inert(" <result>\na </result> <think> b\n</result>") == (
+        " <result>\na [/result] [think] b\n</result>")
+    # a tool message has no envelope: all its tags are text
+    assert inert("\nput it between <answer> and </answer>.\n") == (
+        "\nput it between [answer] and [/answer].\n")
+    # a result cut by the length limit keeps its opening tag
+    assert inert(" <result>\ncut <answer>") == " <result>\ncut [answer]"
+
+
+def test_an_answer_only_in_an_earlier_turn_is_no_answer():
+    # The answer turn is the last: a box the model wrote before searching is not its answer.
+    r = Response((("<think> a </think> <answer> \\boxed{Paris} <search> q </search>",
+                   " <result>\nr\n</result>"),
+                  (" </answer>", "")))
+    assert score_response(r, ["Paris"], "a2tgpo", training=False).answer is None
+
+
+def test_empty_normalised_golds_match_nothing():
+    # "the" and "a" both normalise to "": the sources give EM 1 (and Search-R1's reward 1)
+    # while F1 is 0 (no tokens); here every metric and reward says 0.
+    assert exact_match("a", ["the"]) == 0.0
+    assert substring_match("London", ["the"]) == 0.0   # "" is in every string
+    assert f1_score("a", ["the"]) == 0.0
+    r = Response((("<think> x </think> <answer> \\boxed{a} </answer>", ""),))
+    assert score_response(r, ["the"], "a2tgpo", training=False) == Score(
+        0.0, 0.0, 0.0, 0.0, "a", True)
+    assert score_response("<think> x </think>\n<answer> a </answer>", ["the"], "search_r1",
+                          training=False) == Score(0.0, 0.0, 0.0, 0.0, "a", True)
+    # another gold of the row still matches
+    assert exact_match("Paris", ["the", "paris"]) == 1.0
