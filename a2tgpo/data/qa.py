@@ -18,6 +18,13 @@ searchr1, whose raw ids repeat across data sources), `question` (stripped), `gol
 (non-empty list of stripped, non-empty strings), `source` (dataset: the source name, or the
 row's `data_source` for searchr1), `split` (the file's split), `group`, `hop_type`, `hops`.
 
+Bounds, so that every prepared row can be scored and rolled out: a golden answer that
+normalises to the empty string (e.g. "the": the EM normalisation drops case, punctuation and
+the words a/an/the) is invalid, since no prediction could match it (a2tgpo/algo/rewards.py); a
+question longer than `max_question_chars` characters is invalid, a bound that needs no
+tokenizer (the exact check of the prompt's tokens against the prompt budget runs where the
+backbone's tokenizer is known: a2tgpo/rollout/runner.py).
+
 Answers are text whatever their JSON type: a number or boolean answer becomes its JSON text
 (`1912` -> "1912", `3.0` -> "3.0", `true` -> "true"; `answer_text`), so one numeric answer
 neither fails nor drops other rows. A null, list, object or non-finite number among the answers
@@ -43,11 +50,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from a2tgpo.algo.rewards import normalize_answer
 from a2tgpo.config import SEED_LIMIT, ConfigError, file_name_error, load_config, option
 from a2tgpo.data.jsonl import DataFileError, iter_jsonl
 from a2tgpo.io import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
+
+MAX_QUESTION_CHARS = 2000  # the default of DataConfig.max_question_chars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +106,12 @@ class DataConfig:
     on_invalid_row: Literal["error", "drop"] = option(
         "error", "a row without a question or golden answers: 'error' stops, 'drop' skips and "
                  "counts it (reported in summary.json)")
+    max_question_chars: int = option(
+        MAX_QUESTION_CHARS,
+        "a longer question is an invalid row (see on_invalid_row): a bound on the prompt before "
+        "any tokenizer is known (English takes several characters per token, so 2000 stays "
+        "inside the papers' 2000-token prompt budget); training and evaluation then check the "
+        "prompt's tokens against backbone.max_model_len - rollout.max_response_tokens", ge=1)
 
     def __post_init__(self) -> None:
         for role, sources in (("train", self.train), ("test", self.test)):
@@ -244,7 +260,8 @@ def answer_text(value: Any) -> Any:
     return value
 
 
-def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str, Any]:
+def _normalise(row: dict[str, Any], src: DatasetSource, split: str,
+               max_question_chars: int) -> dict[str, Any]:
     """One raw (flattened) row -> a `row_schema()` dict; ValueError (no location) if invalid."""
     raw_id = row.get("id")
     if isinstance(raw_id, int) and not isinstance(raw_id, bool):
@@ -254,6 +271,9 @@ def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str,
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"missing or empty question: {question!r}")
+    if len(question.strip()) > max_question_chars:
+        raise ValueError(f"question of {len(question.strip())} characters, over "
+                         f"data.max_question_chars ({max_question_chars})")
     answers_key = ANSWERS_COLUMN[src.loader]
     answers = row.get(answers_key)
     if not isinstance(answers, list) or not answers:
@@ -262,6 +282,10 @@ def _normalise(row: dict[str, Any], src: DatasetSource, split: str) -> dict[str,
     if not all(isinstance(a, str) and a.strip() for a in answers):
         raise ValueError(f"{answers_key} must hold non-empty strings or numbers, got "
                          f"{row.get(answers_key)!r}")
+    if empty := [a for a in answers if not normalize_answer(a)]:
+        raise ValueError(f"golden answer {empty[0]!r} normalises to the empty string (the EM "
+                         "normalisation drops case, punctuation and a/an/the), so no "
+                         "prediction can match it")
     if src.loader == "flashrag":
         dataset, row_id = src.subset, f"{src.name}/{raw_id}"
         source = src.name
@@ -294,7 +318,8 @@ class LoadedSource:
 
 
 def load_source(
-    src: DatasetSource, on_invalid_row: Literal["error", "drop"] = "error"
+    src: DatasetSource, on_invalid_row: Literal["error", "drop"] = "error",
+    max_question_chars: int = MAX_QUESTION_CHARS,
 ) -> LoadedSource:
     """Resolve, read and normalise one source.
 
@@ -308,7 +333,7 @@ def load_source(
     rows, errors = [], []
     for where, raw in read(file, src):
         try:
-            rows.append(_normalise(raw, src, file.split))
+            rows.append(_normalise(raw, src, file.split, max_question_chars))
         except ValueError as e:
             msg = f"{file.display} {where} (id {raw.get('id')!r}): {e}"
             if on_invalid_row == "error":
@@ -464,7 +489,7 @@ def prepare_data(cfg: DataConfig, out_dir: str | Path, *, source: str = "data co
     """
     out = Path(out_dir)
     loaded = {
-        role: [load_source(s, cfg.on_invalid_row) for s in sources]
+        role: [load_source(s, cfg.on_invalid_row, cfg.max_question_chars) for s in sources]
         for role, sources in (("train", cfg.train), ("test", cfg.test))
     }
     train_all = [r for part in loaded["train"] for r in part.rows]

@@ -61,7 +61,7 @@ def flashrag_repo(tmp_path: Path) -> Path:
     """nq has train + dev + test, hotpotqa train + dev (no test), as on the hub."""
     repo = tmp_path / "FlashRAG_datasets"
     write_jsonl(repo / "nq/test.jsonl", NQ_TEST)
-    write_jsonl(repo / "nq/dev.jsonl", [{"id": "dev_0", "question": "q", "golden_answers": ["a"]}])
+    write_jsonl(repo / "nq/dev.jsonl", [{"id": "dev_0", "question": "q", "golden_answers": ["x"]}])
     write_jsonl(repo / "nq/train.jsonl", [
         {"id": f"train_{i}", "question": f"nq question {i}", "golden_answers": [f"a{i}"]}
         for i in range(12)])
@@ -117,16 +117,16 @@ def test_musique_and_2wiki_hop_types(tmp_path):
     write_jsonl(tmp_path / "musique/dev.jsonl", [
         {"id": "2hop__460946_294723", "question": "Who is the spouse of the Green performer?",
          "golden_answers": ["Miquette Giraudy"], "metadata": {"answerable": True}},
-        {"id": "3hop1__9_8_7", "question": "q2", "golden_answers": ["a"]},
+        {"id": "3hop1__9_8_7", "question": "q2", "golden_answers": ["x"]},
         # no shape prefix in the id: the decomposition has one entry per hop (here 4)
         {"id": "dev_2", "question": "q3", "golden_answers": ["b"],
          "metadata": {"question_decomposition": [{"id": k, "question": "s", "answer": "t"}
                                                  for k in range(4)]}},
     ])
     write_jsonl(tmp_path / "2wikimultihopqa/dev.jsonl", [
-        {"id": "dev_0", "question": "q", "golden_answers": ["a"],
+        {"id": "dev_0", "question": "q", "golden_answers": ["x"],
          "metadata": {"type": "compositional"}},
-        {"id": "dev_1", "question": "q", "golden_answers": ["a"],
+        {"id": "dev_1", "question": "q", "golden_answers": ["x"],
          "metadata": {"type": "bridge_comparison"}},
     ])
     musique = load_source(flashrag(tmp_path, "musique")).rows
@@ -148,9 +148,9 @@ def test_toy_world_layout_uses_metadata_hop_type(tmp_path):
          "golden_answers": ["Ada Kest"],
          "metadata": {"hop_type": "bridge", "hops": 2, "support": ["p1", "p2"],
                       "lookups": ["Vorland", "Film"]}},
-        {"id": "train_1", "question": "Which is older, A or B?", "golden_answers": ["A"],
+        {"id": "train_1", "question": "Which is older, Ana or Bo?", "golden_answers": ["Ana"],
          "metadata": {"hop_type": "comparison", "hops": 2, "support": ["p3", "p4"],
-                      "lookups": ["A", "B"]}},
+                      "lookups": ["Ana", "Bo"]}},
     ])
     write_jsonl(qa_dir / "nq/train.jsonl", [
         {"id": "train_0", "question": "Where was Ada Kest born?", "golden_answers": ["Vorland"],
@@ -211,7 +211,7 @@ def test_searchr1_parquet_rows(searchr1_repo):
 
 def test_searchr1_file_without_reward_model_is_rejected(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"id": "train_0", "question": "q", "data_source": "nq",
-                                          "golden_answers": ["a"]}]), tmp_path / "train.parquet")
+                                          "golden_answers": ["x"]}]), tmp_path / "train.parquet")
     src = DatasetSource(name="x", loader="searchr1", repo=str(tmp_path), split="train",
                         group="mixed")
     with pytest.raises(ValueError, match="reward_model.ground_truth.target"):
@@ -228,24 +228,66 @@ def test_limit_takes_first_rows(flashrag_repo):
 
 
 @pytest.mark.parametrize("bad, problem", [
-    ({"id": "test_1", "golden_answers": ["a"]}, "question"),  # question missing
-    ({"id": "test_1", "question": "   ", "golden_answers": ["a"]}, "question"),
+    ({"id": "test_1", "golden_answers": ["x"]}, "question"),  # question missing
+    ({"id": "test_1", "question": "   ", "golden_answers": ["x"]}, "question"),
     ({"id": "test_1", "question": "q", "golden_answers": []}, "golden_answers"),
     ({"id": "test_1", "question": "q", "golden_answers": "a"}, "golden_answers"),  # not a list
-    ({"id": "test_1", "question": "q", "golden_answers": ["a", " "]}, "golden_answers"),
+    ({"id": "test_1", "question": "q", "golden_answers": ["x", " "]}, "golden_answers"),
     ({"id": "test_1", "question": "q"}, "golden_answers"),  # golden_answers missing
 ])
 def test_invalid_row_error_names_file_row_and_id(tmp_path, bad, problem):
     path = write_jsonl(tmp_path / "nq/test.jsonl",
-                       [{"id": "test_0", "question": "q", "golden_answers": ["a"]}, bad])
+                       [{"id": "test_0", "question": "q", "golden_answers": ["x"]}, bad])
     with pytest.raises(ValueError) as e:
         load_source(flashrag(tmp_path, "nq"))
     assert f"{path} line 2 (id 'test_1'): " in str(e.value)  # the second line of the file
     assert problem in str(e.value)
 
 
+@pytest.mark.parametrize("answers, refused", [
+    (["the"], "'the'"), (["A."], "'A.'"), (["Paris", "an"], "'an'"),  # "", "" and "" normalised
+])
+def test_golden_answer_that_normalises_to_nothing_is_refused(tmp_path, answers, refused):
+    # no prediction can match such an answer (rewards.py scores it 0 everywhere); the sources'
+    # EM would count any empty-normalising prediction as correct while F1 says 0
+    path = write_jsonl(tmp_path / "nq/test.jsonl", [
+        {"id": "test_0", "question": "q", "golden_answers": ["x"]},
+        {"id": "test_1", "question": "Which vitamin?", "golden_answers": answers}])
+    with pytest.raises(DataFileError, match=rf"{path} line 2 \(id 'test_1'\): golden answer "
+                                            rf"{refused} normalises to the empty string"):
+        load_source(flashrag(tmp_path, "nq"))
+    kept = load_source(flashrag(tmp_path, "nq"), "drop")
+    assert [r["id"] for r in kept.rows] == ["nq/test_0"] and kept.dropped == 1
+
+
+def test_question_over_max_question_chars_is_refused_at_prepare_time(tmp_path):
+    # 100,000 characters would take an evaluation job down (80k prompt tokens against 2,048)
+    write_jsonl(tmp_path / "nq/test.jsonl", [
+        {"id": "test_0", "question": "q" * 2000, "golden_answers": ["x"]},   # the bound: kept
+        {"id": "test_1", "question": "Why " * 25_000, "golden_answers": ["x"]}])
+    write_jsonl(tmp_path / "nq/train.jsonl",
+                [{"id": "t", "question": "q", "golden_answers": ["x"]}])
+    train = (flashrag(tmp_path, "nq", split="train", group="single_hop"),)
+    src = flashrag(tmp_path, "nq", group="single_hop")
+    cfg = DataConfig(train=train, test=(src,))
+    assert cfg.max_question_chars == 2000
+    out = tmp_path / "out"
+    # the question is stripped first: "Why " * 25000 -> 99,999 characters
+    with pytest.raises(DataFileError, match=r"nq/test.jsonl line 2 \(id 'test_1'\): question "
+                                            r"of 99999 characters, over "
+                                            r"data.max_question_chars \(2000\)"):
+        prepare_data(cfg, out)
+    assert not out.exists()
+    summary = prepare_data(DataConfig(train=train, test=(src,), on_invalid_row="drop"), out)
+    assert summary["dropped"] == {"train/nq": 0, "test/nq": 1}
+    assert [len(r["question"]) for r in load_split(out / "test/nq.parquet")] == [2000]
+    # a lower bound from the config refuses the first one too
+    with pytest.raises(DataFileError, match=r"line 1 .* over data.max_question_chars \(1999\)"):
+        prepare_data(DataConfig(train=train, test=(src,), max_question_chars=1999), out)
+
+
 def test_duplicate_ids_in_a_file_are_an_error(tmp_path):
-    row = {"id": "test_0", "question": "q", "golden_answers": ["a"]}
+    row = {"id": "test_0", "question": "q", "golden_answers": ["x"]}
     write_jsonl(tmp_path / "nq/test.jsonl", [row, row])
     with pytest.raises(ValueError, match=r"duplicate ids \['nq/test_0'\]"):
         load_source(flashrag(tmp_path, "nq"))
@@ -253,8 +295,8 @@ def test_duplicate_ids_in_a_file_are_an_error(tmp_path):
 
 def test_drop_mode_counts_and_reports(tmp_path, caplog):
     write_jsonl(tmp_path / "nq/train.jsonl", [
-        {"id": "train_0", "question": "q0", "golden_answers": ["a"]},
-        {"id": "train_1", "question": "", "golden_answers": ["a"]},   # dropped
+        {"id": "train_0", "question": "q0", "golden_answers": ["x"]},
+        {"id": "train_1", "question": "", "golden_answers": ["x"]},   # dropped
         {"id": "train_2", "question": "q2", "golden_answers": []},    # dropped
         {"id": "train_3", "question": "q3", "golden_answers": ["c"]},
     ])
@@ -298,7 +340,7 @@ def test_numeric_and_boolean_answers_are_read_as_text(tmp_path, on_invalid_row):
 @pytest.mark.parametrize("answers", [[None], ["a", None], [["a"]], [{"a": 1}], [float("nan")]])
 def test_null_or_nested_answer_is_an_invalid_row(tmp_path, answers):
     path = write_jsonl(tmp_path / "nq/test.jsonl", [
-        {"id": "test_0", "question": "q", "golden_answers": ["a"]},
+        {"id": "test_0", "question": "q", "golden_answers": ["x"]},
         {"id": "test_1", "question": "q", "golden_answers": answers},  # json writes nan as NaN
     ])
     with pytest.raises(ValueError, match=f"{path} line 2 \\(id 'test_1'\\): golden_answers"):
@@ -313,13 +355,13 @@ def write_lines(path: Path, data: bytes) -> Path:
     return path
 
 
-GOOD = b'{"id": "test_0", "question": "q", "golden_answers": ["a"]}\n'
+GOOD = b'{"id": "test_0", "question": "q", "golden_answers": ["x"]}\n'
 
 
 @pytest.mark.parametrize("data, message", [
     # line 3 lacks the comma after "q": '{"id": "test_1", ' is 17 characters, '"question":
     # "q" ' 16 more, so json expects the delimiter at column 34
-    (GOOD + b"\n" + b'{"id": "test_1", "question": "q" "golden_answers": ["a"]}\n',
+    (GOOD + b"\n" + b'{"id": "test_1", "question": "q" "golden_answers": ["x"]}\n',
      "line 3: not valid JSON: Expecting ',' delimiter (column 34)"),
     (GOOD + b'{"id": "test_1", "question": "q", "golden_ans\n', "line 2: not valid JSON"),
     # 0xff is the 19th byte of line 2: '{"id": "x", "q": "' is 18 bytes
@@ -339,7 +381,7 @@ def test_unreadable_jsonl_names_file_and_line(tmp_path, data, message, on_invali
 
 def test_blank_lines_and_a_bom_are_skipped_and_lines_still_counted(tmp_path):
     path = write_lines(tmp_path / "nq/test.jsonl", b"\xef\xbb\xbf" + GOOD + b"\n\n"
-                       + b'{"id": "test_1", "question": "", "golden_answers": ["a"]}\n')
+                       + b'{"id": "test_1", "question": "", "golden_answers": ["x"]}\n')
     loaded = load_source(flashrag(tmp_path, "nq"), "drop")
     assert [r["id"] for r in loaded.rows] == ["nq/test_0"] and loaded.dropped == 1
     # lines 2 and 3 are blank: the bad row is line 4, though it is the second row
