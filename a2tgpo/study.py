@@ -269,9 +269,13 @@ def _data_repo_error(study: StudyConfig, src) -> str | None:
             return (f"subset: {src.subset!r} is not one of the world's qa_sets "
                     f"({', '.join(qa)})")
         splits = ("test", "dev") if src.split == "auto" else (src.split,)
-        if not set(splits) & set(qa[src.subset]):
+        written = [s for s in splits if s in qa[src.subset]]  # auto: test if written, else dev
+        if not written:
             return (f"split: world.qa_sets {src.subset} has no split "
                     f"{' or '.join(splits)} ({', '.join(qa[src.subset])})")
+        if qa[src.subset][written[0]] == 0:
+            return (f"split: world.qa_sets {src.subset} writes no question to its "
+                    f"{written[0]} split (splits.{written[0]}: 0)")
         return None
     local = Path(src.repo).expanduser()
     if local.exists():

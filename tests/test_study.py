@@ -291,6 +291,22 @@ def test_values_a_late_job_would_trip_on_are_refused_at_load(override, message):
     assert re.search(message, str(e.value)[len(lead):]), str(e.value)
 
 
+def test_a_world_split_without_questions_is_refused_at_load():
+    # prepare-data would have read an empty file; `auto` reads test where the world writes one
+    sets = ("world.qa_sets=[{name: toy_nq, group: single_hop, splits: {train: 0, dev: 5, test: "
+            "0}, mix: {single: 1.0}}]")
+    source = "{name: toy_nq, loader: flashrag, repo: results/toy/world/qa, subset: toy_nq"
+    for split, which in (("train", "train"), ("auto", "test")):
+        data = f"data={{train: [{source}, split: {split}, group: single_hop}}]}}"
+        with pytest.raises(ConfigError, match=rf"\): data\.train\[0\]\.split: world\.qa_sets "
+                           rf"toy_nq writes no question to its {which} split \(splits\.{which}: "
+                           r"0\)$"):
+            load_study(ROOT / "config/config.yaml", [sets, data])
+    data = f"data={{train: [{source}, split: dev, group: single_hop}}]}}"
+    with pytest.raises(ConfigError, match=r"tracks\.multi_hop"):  # the world check passed
+        load_study(ROOT / "config/config.yaml", [sets, data])
+
+
 def test_a_duplicate_key_inside_an_override_is_refused():
     with pytest.raises(ConfigError, match=r"^override 'train=\{optim: \{lr: 1e-6, lr: 1e-5\}\}': "
                                           r"train\.optim\.lr: duplicate key$"):
