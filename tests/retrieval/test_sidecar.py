@@ -140,12 +140,14 @@ def test_paper_jobs_run_under_their_own_retrieval_server(workdir):
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     commands = [line for line in run.stdout.splitlines()
-                if " train results/" in line or "a2tgpo evaluate " in line]
+                if " train 'results/" in line or "a2tgpo evaluate " in line]
     assert commands
     for cmd in commands:
-        # the wrapper comes first and reads the same cell config the job does
+        # the wrapper comes first and reads the same cell config the job does (quoted: a
+        # cell path holds '~')
         cfg = cmd.split("a2tgpo with-retriever ", 1)[1].split(" -- ", 1)[0]
-        assert cfg.endswith("/config.yaml") and cmd.count(cfg) == 2, cmd
+        assert cfg.startswith("'results/") and cfg.endswith("/config.yaml'"), cmd
+        assert cmd.count(cfg) == 2, cmd
 
 
 def test_paper_sweep_trials_run_under_their_own_retrieval_servers(workdir):

@@ -309,7 +309,8 @@ def test_eval_jobs_take_the_eval_section_dry_run(workdir):
         assert int(res["runtime"]) == 77 * per_ckpt, (rule, res, cmd)
         # the engine share reaches `a2tgpo evaluate` as an override of the cell's config,
         # before the list-valued --test
-        assert re.search(r"a2tgpo evaluate \S+/config\.yaml engine_memory_share=0\.45 "
+        # a cell path holds '~', so the shell command quotes it
+        assert re.search(r"a2tgpo evaluate '\S+/config\.yaml' engine_memory_share=0\.45 "
                          r"--chunk 256 --(best|all-checkpoints) ", cmd), cmd
     assert seen == {"evaluate", "evaluate_all"}
 
@@ -333,8 +334,8 @@ def test_paper_plan_fetches_backbones_and_wraps_jobs_dry_run(workdir):
     for cmd in trains:
         assert re.match(r"HF_HUB_OFFLINE=1 A2TGPO_JOB_CPUS=64 OMP_NUM_THREADS=64 .*exec a2tgpo "
                         r"with-retriever "
-                        r"\S+/config\.yaml -- a2tgpo launch --nproc 8 --nnodes 1 -- a2tgpo "
-                        r"train \S+/config\.yaml > ", cmd), cmd
+                        r"'\S+/config\.yaml' -- a2tgpo launch --nproc 8 --nnodes 1 -- a2tgpo "
+                        r"train '\S+/config\.yaml' > ", cmd), cmd
     # the cells load the fetched folder, not the hub id
     import a2tgpo.study as study_lib
 
