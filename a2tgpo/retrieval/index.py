@@ -95,7 +95,15 @@ MAX_FACTORY_COUNT = 2**22
 def factory_error(factory: str, dim: int | None = None) -> str | None:
     """Why `faiss.index_factory(dim, factory, inner product)` refuses `factory` (None: it
     builds), as build_index calls it; `dim`: the encoder's width, None = unknown (above)."""
-    import faiss
+    # faiss's loader logs every CPU build it tries ("Could not load library with AVX512
+    # support"): noise in a config check
+    loader = logging.getLogger("faiss.loader")
+    level = loader.level
+    loader.setLevel(logging.WARNING)
+    try:
+        import faiss
+    finally:
+        loader.setLevel(level)
 
     counts = [int(n) for n in re.findall(r"\d+", factory)]
     if any(n > MAX_FACTORY_COUNT for n in counts):
