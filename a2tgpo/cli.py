@@ -377,11 +377,11 @@ def cmd_evaluate(args) -> int:
         return 1
 
 
-def _snakemake_dry_run(argv: list[str]) -> bool:
-    """Whether Snakemake reads `argv` as a dry run (-n, --dry-run, --dryrun, or n among combined
-    short flags such as -pn). Snakemake's own parser answers, so every spelling it accepts
-    counts. Raises ValueError for arguments it refuses; -h and --version print Snakemake's
-    answer and raise SystemExit, as `snakemake` does."""
+def _snakemake_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` as Snakemake reads it (its own parser, so every spelling it accepts counts: -n,
+    --dry-run, --dryrun, n among combined short flags such as -pn). Raises ValueError for
+    arguments it refuses; -h and --version print Snakemake's answer and raise SystemExit, as
+    `snakemake` does."""
     from snakemake.cli import get_argument_parser
 
     parser = get_argument_parser()
@@ -390,7 +390,24 @@ def _snakemake_dry_run(argv: list[str]) -> bool:
         raise ValueError(message)
 
     parser.error = refuse
-    return bool(parser.parse_args(argv).dryrun)
+    return parser.parse_args(argv)
+
+
+def _snakemake_locks_on(folder: Path, workdir: Path) -> list[str]:
+    """Snakemake's lock files in `workdir` (<workdir>/.snakemake/locks, its default file
+    backend: one path per line, relative to `workdir`) that name a file inside `folder`: a
+    Snakemake run there reads or writes the folder, or one killed without unlocking left them.
+    Snakemake itself refuses a second run whose outputs meet these files."""
+    inside = folder.resolve()
+    found = []
+    for lock in sorted((workdir / ".snakemake" / "locks").glob("*.lock")):
+        try:
+            names = lock.read_text().splitlines()
+        except OSError:
+            continue
+        if any(n and (workdir / n).resolve().is_relative_to(inside) for n in names):
+            found.append(str(lock))
+    return found
 
 
 def cmd_rerun(args) -> int:
@@ -441,20 +458,33 @@ def cmd_rerun(args) -> int:
         cmd += ["--config", *args.overrides]
     cmd += args.snakemake_args
     try:
-        dry_run = args.dry_run or _snakemake_dry_run(args.snakemake_args)
+        smk = _snakemake_args(args.snakemake_args)
     except ValueError as e:
         print(f"a2tgpo rerun: Snakemake refuses the arguments after --: {e}; nothing was "
               "moved", file=sys.stderr)
         return 2
     except SystemExit as e:  # -h, --version: Snakemake has answered; there is nothing to run
         return e.code if isinstance(e.code, int) else 0
-    if dry_run:
+    workdir = Path(smk.directory or ".")
+
+    def snakemake_busy() -> str | None:
+        locks = [] if smk.nolock else _snakemake_locks_on(run_dir, workdir)
+        if not locks:
+            return None
+        return (f"a Snakemake run in {workdir} holds locks on files of {run_dir} "
+                f"({', '.join(locks)}): it may be training or evaluating the cell, and "
+                "Snakemake would refuse this rerun's run. Wait for it to end; if no Snakemake "
+                "runs there, `snakemake --unlock` clears what a killed one left")
+
+    if args.dry_run or smk.dryrun:
         stamp = archive_stamp()
         what = (f"would archive {run_dir} to {archive_dir(root, cell.path, stamp)}"
                 if run_dir.exists() else f"would archive nothing ({run_dir} does not exist)")
         holder = in_use(run_dir)
         if holder:
             what += f"; refused now: the run folder is in use by {holder}"
+        elif busy := snakemake_busy():
+            what += f"; refused now: {busy}"
         if args.dry_run:
             print(f"{what}\nwould run: {' '.join(cmd)}")
             return 0
@@ -465,6 +495,10 @@ def cmd_rerun(args) -> int:
     # folder while it moves
     try:
         with folder_lock(run_dir, "run folder"):
+            if busy := snakemake_busy():
+                print(f"a2tgpo rerun: cell {cell.path}: {busy}. Nothing was moved.",
+                      file=sys.stderr)
+                return 1
             moved = archive_run(root, cell, archive_stamp())
     except FolderBusy as e:
         print(f"a2tgpo rerun: cell {cell.path}: {e}. Nothing was moved.", file=sys.stderr)

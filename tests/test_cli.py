@@ -172,3 +172,29 @@ def test_rerun_refuses_snakemake_arguments_snakemake_refuses(rerun_study, capsys
     assert "Snakemake refuses the arguments after --: ambiguous option: --dry" in err
     assert "nothing was moved" in err
     assert (run / "metrics.jsonl").is_file() and calls == []
+
+
+def test_rerun_refuses_while_a_snakemake_run_locks_the_cells_files(rerun_study, tmp_path,
+                                                                   capsys):
+    """A Snakemake run that evaluates the cell (its jobs hold no run-folder lock) still locks
+    the cell's files in <workdir>/.snakemake/locks, where rerun looks before it moves."""
+    import os
+
+    rerun, run, calls = rerun_study
+    wd = tmp_path / "wd"
+    locks = wd / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    # as Snakemake's file backend writes them: one path per line, relative to its workdir
+    lock = locks / "0.input.lock"
+    lock.write_text(f"results/toy/tables/report.yaml\n{os.path.relpath(run, wd)}/best.json\n")
+    assert rerun("--", "--directory", str(wd), "--cores", "2") == 1
+    err = capsys.readouterr().err
+    assert f"a Snakemake run in {wd} holds locks on files of {run} ({lock})" in err
+    assert "`snakemake --unlock`" in err and "Nothing was moved." in err
+    assert (run / "metrics.jsonl").is_file() and calls == []
+    assert rerun("--", "--directory", str(wd), "-n") == 0  # a dry run says so
+    assert f"refused now: a Snakemake run in {wd} holds locks" in capsys.readouterr().out
+    # locks on other cells' files only: the cell moves
+    lock.write_text(f"{run.with_name('seed~2')}/best.json\n")
+    assert rerun("--", "--directory", str(wd), "--cores", "2") == 0
+    assert not run.exists() and len(calls) == 2
