@@ -385,6 +385,7 @@ def _snakemake_args(argv: list[str]) -> argparse.Namespace:
     from snakemake.cli import get_argument_parser
 
     parser = get_argument_parser()
+    parser.prog = "snakemake"  # its help, not ours
 
     def refuse(message):
         raise ValueError(message)
