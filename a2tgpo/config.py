@@ -258,6 +258,9 @@ def from_dict(cls: type[T], data: Any, *, source: str = "<dict>", path: str = ""
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
+            # a setting another section owns (class attribute ELSEWHERE: key -> its dotted key)
+            if (owner := getattr(cls, "ELSEWHERE", {}).get(key)) is not None:
+                hint = f" (set it as {owner})"
             where = f"{path}.{key}" if path else str(key)
             raise _fail(source, where, f"unknown key{hint}; valid keys: {', '.join(fields)}")
     kwargs = {}

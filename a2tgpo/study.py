@@ -471,6 +471,7 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"{source}: train.method_overrides.{key}: matches no method id "
                               f"({', '.join(known)}){hint}")
+    _check_cells(study, source, cells)
     checks = StudyChecks(cells=cells, sweeps=sweeps)
     if plan:
         from a2tgpo.plan import plan_evals, plan_retries, plan_study, refusal
@@ -535,6 +536,16 @@ def _encoder_width(study: StudyConfig) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _check_cells(study: StudyConfig, source: str, cells: dict[str, list[Cell]]) -> None:
+    """Every cell's resolved config (TrainConfig's checks, after the cell's overrides), its
+    errors led by the study's file."""
+    for cell in dict.fromkeys(c for cs in cells.values() for c in cs):
+        try:
+            resolve_cell(study, cell.path)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
 
 def _study_sweeps(study: StudyConfig, source: str) -> dict[str, tuple[str, Any, Cell]]:

@@ -23,13 +23,12 @@ def load_cell(cell: str, questions: int):
     from a2tgpo.config import load_config
     from a2tgpo.model.backbone import load_model, load_tokenizer
     from a2tgpo.retrieval.retriever import build_retriever
-    from a2tgpo.rollout.agent import SearchTool
-    from a2tgpo.rollout.runner import load_questions
+    from a2tgpo.rollout.runner import load_questions, search_tool
     from a2tgpo.train.config import TrainConfig
 
     torch.set_num_threads(1)
     cfg = load_config(TrainConfig, Path(cell) / "config.yaml")
     tok = load_tokenizer(cfg.backbone)
     model = load_model(cfg.backbone)
-    tool = SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok, cfg.rollout)
+    tool = search_tool(cfg, build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok)
     return cfg, tok, model, tool, load_questions(cfg.dev_file, questions)

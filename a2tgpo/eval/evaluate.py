@@ -58,7 +58,6 @@ from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
-from a2tgpo.rollout.agent import SearchTool
 from a2tgpo.rollout.failures import label_outcomes, outcome_shares
 from a2tgpo.rollout.runner import (
     GREEDY_SEED,
@@ -67,6 +66,7 @@ from a2tgpo.rollout.runner import (
     resolve_device,
     rollout,
     score,
+    search_tool,
 )
 from a2tgpo.tracking import SUMMARY_FILE, Tracker
 from a2tgpo.train.config import TrainConfig
@@ -278,7 +278,7 @@ def evaluate_checkpoint(cfg: TrainConfig, model_dir: str | Path, test_sets: Sequ
     if (Path(model_dir).parent / COMPLETE).is_file():  # a training checkpoint: sizes, sha256
         verify_checkpoint(Path(model_dir).parent)
     ccfg, tok, engine = load_policy(cfg, model_dir, max_batch=max_batch, engine=engine)
-    tool = SearchTool(retriever, tok, cfg.rollout)
+    tool = search_tool(cfg, retriever, tok)
     t1 = time.perf_counter()
     predictions = predict(ccfg, tok, engine, tool, test_sets, chunk=chunk, progress=progress)
     t2 = time.perf_counter()

@@ -50,9 +50,13 @@ class RetrievalConfig:
         "inprocess", "inprocess = load the retriever in the rollout process; http = call a "
         "server (ours from `a2tgpo serve-retriever`, or an existing Search-R1 server).",
     )
-    topk: int = option(3, "Passages per search call (the papers use 3).", ge=1)
+    topk: int = option(
+        3, "Passages per search call (the papers use 3): what every rollout (training, "
+        "validation, evaluation) is shown, the server's default for a request without topk, "
+        "and `a2tgpo search`'s.", ge=1)
     max_passage_chars: int = option(
-        1000, "A2TGPO/AT2PO style: each passage is cut to this many characters.", ge=1
+        1000, "A2TGPO/AT2PO style: each passage is cut to this many characters before the "
+        "policy sees it.", ge=1
     )
     encoder: EncoderConfig = option(doc="Dense encoder.", factory=EncoderConfig)
     index: IndexConfig = option(doc="Dense index build and load.", factory=IndexConfig)
@@ -67,6 +71,12 @@ class RetrievalConfig:
             raise ValueError("topk must be >= 1")
         if not self.eval_k or min(self.eval_k) < 1:
             raise ValueError("eval_k must hold values >= 1")
+        if self.mode == "http" and self.topk > self.http.max_topk:
+            # our server (a job's own with http.serve job) refuses every such request (HTTP
+            # 422): the first search of step 0 would fail
+            raise ValueError(f"topk {self.topk} is over http.max_topk {self.http.max_topk}, "
+                             "the largest topk the retrieval server accepts: raise "
+                             "http.max_topk or lower topk")
 
 
 class DenseRetriever:

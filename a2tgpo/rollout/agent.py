@@ -26,11 +26,11 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from a2tgpo.config import option
 from a2tgpo.retrieval.base import Retriever
-from a2tgpo.retrieval.retriever import format_passages
+from a2tgpo.retrieval.retriever import RetrievalConfig, format_passages
 from a2tgpo.rollout import prompts
 from a2tgpo.rollout.engine import Engine, SamplingParams
 from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
@@ -66,13 +66,16 @@ class AgentConfig:
         "stop", "stop = end the episode (A2TGPO); warn = insert AT2PO's warning and continue.")
     on_invalid: Literal["stop", "retry"] = option(
         "stop", "stop = end the episode (A2TGPO); retry = Search-R1's invalid-action message.")
-    topk: int = option(3, "Passages per search (the papers: 3).", ge=1)
-    max_passage_chars: int = option(1000, "A2TGPO style: characters kept per passage.", ge=1)
+
+    # what a search returns is the retrieval section's (one source for rollouts, the server's
+    # default and `a2tgpo search`): these keys are refused here with a pointer there
+    ELSEWHERE: ClassVar[dict[str, str]] = {
+        "topk": "retrieval.topk", "max_passage_chars": "retrieval.max_passage_chars"}
 
     def __post_init__(self) -> None:
-        if min(self.max_turn_tokens, self.max_response_tokens, self.max_obs_tokens,
-               self.topk) < 1 or self.max_tool_calls < 0:
-            raise ValueError("token limits and topk must be >= 1, max_tool_calls >= 0")
+        if min(self.max_turn_tokens, self.max_response_tokens, self.max_obs_tokens) < 1 \
+                or self.max_tool_calls < 0:
+            raise ValueError("token limits must be >= 1, max_tool_calls >= 0")
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,14 @@ def extract_query(text: str) -> str | None:
 
 
 class SearchTool:
-    """Retriever + formatting + tokenisation of observations for one prompt style."""
+    """Retriever + formatting + tokenisation of observations for one prompt style: `cfg`'s
+    prompt style and observation budget, `search`'s passages per call (topk) and characters
+    per passage (max_passage_chars)."""
 
-    def __init__(self, retriever: Retriever, tokenizer, cfg: AgentConfig):
+    def __init__(self, retriever: Retriever, tokenizer, cfg: AgentConfig,
+                 search: RetrievalConfig):
         self.retriever, self.tokenizer, self.cfg = retriever, tokenizer, cfg
+        self.topk, self.max_passage_chars = search.topk, search.max_passage_chars
         style = cfg.prompt_style
         head, tail = ((" <result>\n", "\n</result>") if style == "a2tgpo"
                       else ("\n\n<information>", "</information>\n\n"))
@@ -127,11 +134,11 @@ class SearchTool:
             return []
         self.calls += 1
         t0 = time.perf_counter()
-        hits = self.retriever.search(queries, self.cfg.topk)
+        hits = self.retriever.search(queries, self.topk)
         self.seconds += time.perf_counter() - t0
         out = []
         for h in hits:
-            body = self._ids(format_passages(h, self.cfg.prompt_style, self.cfg.max_passage_chars))
+            body = self._ids(format_passages(h, self.cfg.prompt_style, self.max_passage_chars))
             self.observations += 1
             self.cut += len(body) > self.cfg.max_obs_tokens
             # the budget cuts the passages, never the closing tag

@@ -67,6 +67,12 @@ def make_engine(cfg: TrainConfig, model, tok, devices: tuple[int, ...] | None = 
                       tensor_parallel_size=cfg.rollout_tp)
 
 
+def search_tool(cfg: TrainConfig, retriever, tok) -> SearchTool:
+    """The search tool of `cfg`'s rollouts (training, validation, evaluation): the rollout
+    section's prompt style and observation budget, the retrieval section's passages."""
+    return SearchTool(retriever, tok, cfg.rollout, cfg.retrieval)
+
+
 def rollout(cfg: TrainConfig, questions: list[Question], engine, tool: SearchTool, *,
             seed: int, greedy: bool = False) -> list[Trajectory]:
     """The method's rollout shape over `questions` (greedy validation is always chains)."""

@@ -127,15 +127,15 @@ def build_reader(cfg: ToyReaderConfig, work_dir: str | Path, out_dir: str | Path
     seconds["copy"] = time.perf_counter() - t
     # 4. demonstrations, each world's searched with its own BM25 index
     t = time.perf_counter()
-    agent = AgentConfig()
+    agent, search = AgentConfig(), RetrievalConfig(retriever="bm25")
     demos, per_world = [], {}
     for k, d in enumerate(worlds, start=1):
         questions = load_oracle_questions(
             d, [(p.parent.name, p.stem) for p in sorted((d / "qa").glob("*/*.jsonl"))])
-        retriever = build_retriever(RetrievalConfig(retriever="bm25"), d / "corpus.jsonl", None)
+        retriever = build_retriever(search, d / "corpus.jsonl", None)
         try:
             world_demos = write_demonstrations(
-                questions, SearchTool(retriever, tok, agent), agent,
+                questions, SearchTool(retriever, tok, agent, search), agent,
                 imperfect_fraction=cfg.sft.imperfect_fraction, seed=cfg.sft.seed + k,
                 early_answer_fraction=cfg.sft.early_answer_fraction,
                 guess_fraction=cfg.sft.guess_fraction, plan=cfg.sft.plan_thought)

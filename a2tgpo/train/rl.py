@@ -70,6 +70,7 @@ from a2tgpo.rollout.runner import (
     resolve_device,
     rollout,
     score,
+    search_tool,
 )
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.rollout.weight_checksum import state_checksum
@@ -361,8 +362,7 @@ def start_run(cfg: TrainConfig) -> Run:
               if placement.hosts_engine else None)
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
               scheduler=scheduler, ref=ref, tok=tok, engine=engine,
-              tool=SearchTool(build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok,
-                              cfg.rollout),
+              tool=search_tool(cfg, build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok),
               train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
               order=order, start=start, best=best,
               saved=None if ckpt is None else start, pending_validation=pending,

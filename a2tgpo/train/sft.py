@@ -515,9 +515,10 @@ def main(config_path: str | Path, overrides: Sequence[str], *, backbone_dir: str
     backbone = BackboneConfig(id=Path(backbone_dir).name, path=str(backbone_dir),
                               dtype="float32")  # full-precision weights for the optimiser
     tok = load_tokenizer(backbone)
-    retriever = build_retriever(retrieval or RetrievalConfig(), corpus, index)
+    retrieval = retrieval or RetrievalConfig()
+    retriever = build_retriever(retrieval, corpus, index)
     try:
-        tool = SearchTool(retriever, tok, agent)
+        tool = SearchTool(retriever, tok, agent, retrieval)
         demos, *redraws = [
             write_demonstrations(questions, tool, agent,
                                  imperfect_fraction=cfg.imperfect_fraction, seed=cfg.seed + d,

@@ -79,7 +79,7 @@ def toy_cell(tmp_path_factory):
     backbone = BackboneConfig(id="toy", path=str(root / "base"), dtype="float32")
     tok = load_tokenizer(backbone)
     retriever = build_retriever(retrieval, root / "world" / "corpus.jsonl", root / "i.faiss")
-    tool = SearchTool(retriever, tok, agent)
+    tool = SearchTool(retriever, tok, agent, retrieval)
     search, final = _script(answer)
     (obs,) = tool.observe([SCRIPT_QUERY])
     retriever.close()

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from conftest import FixedRetriever
 
-from a2tgpo.retrieval.retriever import format_passages
+from a2tgpo.retrieval.retriever import RetrievalConfig, format_passages
 from a2tgpo.rollout.agent import (
     CALL_LIMIT_WARNING,
     AgentConfig,
@@ -19,6 +19,7 @@ from a2tgpo.rollout.prompts import SEARCH_R1_INVALID
 from a2tgpo.rollout.trajectory import collate
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400)
+SEARCH = RetrievalConfig()  # passages per search and their length
 QS = [Question("q1", "Who directed Foo", ("Bar",)), Question("q2", "Where is Baz", ("Qux",))]
 
 
@@ -30,7 +31,7 @@ def search_then_answer(user, turn, seed):
 
 def test_turns_ids_and_one_batched_search_per_wave(scripted, toy_tokenizer):
     engine, retriever = scripted(search_then_answer), FixedRetriever()
-    tool = SearchTool(retriever, toy_tokenizer, CFG)
+    tool = SearchTool(retriever, toy_tokenizer, CFG, SEARCH)
     trajs = rollout_chains(QS, 3, engine, tool, CFG, seed=0)
     assert len(trajs) == 6 and [t.group_id for t in trajs] == ["q1"] * 3 + ["q2"] * 3
     # one retriever call in wave 1 with all six queries, none in wave 2
@@ -59,7 +60,7 @@ def test_turns_ids_and_one_batched_search_per_wave(scripted, toy_tokenizer):
 def test_tool_call_limit_stop_and_warn(scripted, toy_tokenizer):
     always = lambda user, turn, seed: "<search> again </search>"  # noqa: E731
     cfg = dataclasses.replace(CFG, max_tool_calls=2, max_response_tokens=2000)
-    tool = SearchTool(FixedRetriever(), toy_tokenizer, cfg)
+    tool = SearchTool(FixedRetriever(), toy_tokenizer, cfg, SEARCH)
     t = rollout_chains(QS[:1], 1, scripted(always), tool, cfg, seed=0)[0]
     # two searches are answered; the third call ends the episode (A2TGPO)
     assert [x.stop for x in t.turns] == ["search", "search", "call_limit"]
@@ -70,7 +71,7 @@ def test_tool_call_limit_stop_and_warn(scripted, toy_tokenizer):
 
     warn = dataclasses.replace(cfg, at_call_limit="warn")
     t = rollout_chains(QS[:1], 1, scripted(then_answer),
-                       SearchTool(FixedRetriever(), toy_tokenizer, warn), warn, seed=0)[0]
+                       SearchTool(FixedRetriever(), toy_tokenizer, warn, SEARCH), warn, seed=0)[0]
     assert [x.stop for x in t.turns] == ["search", "search", "call_limit", "answer"]
     assert list(t.turns[2].obs_ids) == toy_tokenizer.encode(CALL_LIMIT_WARNING,
                                                             add_special_tokens=False)
@@ -81,7 +82,7 @@ def test_total_length_limit_counts_observations(scripted, toy_tokenizer):
     always = lambda user, turn, seed: "<search> again </search>"  # noqa: E731
     cfg = dataclasses.replace(CFG, max_response_tokens=120, max_tool_calls=50)
     t = rollout_chains(QS[:1], 1, scripted(always), SearchTool(FixedRetriever(), toy_tokenizer,
-                                                               cfg), cfg, seed=0)[0]
+                                                               cfg, SEARCH), cfg, seed=0)[0]
     assert t.response_length() <= 120
     assert t.turns[-1].stop == "length" or t.response_length() == 120
     obs = sum(len(x.obs_ids) for x in t.turns)
@@ -91,7 +92,7 @@ def test_total_length_limit_counts_observations(scripted, toy_tokenizer):
 def test_observation_budget_keeps_closing_tag(scripted, toy_tokenizer):
     cfg = dataclasses.replace(CFG, max_obs_tokens=5)
     t = rollout_chains(QS[:1], 1, scripted(search_then_answer),
-                       SearchTool(FixedRetriever(), toy_tokenizer, cfg), cfg, seed=0)[0]
+                       SearchTool(FixedRetriever(), toy_tokenizer, cfg, SEARCH), cfg, seed=0)[0]
     head = toy_tokenizer.encode(" <result>\n", add_special_tokens=False)
     tail = toy_tokenizer.encode("\n</result>", add_special_tokens=False)
     assert len(t.turns[0].obs_ids) == len(head) + 5 + len(tail)
@@ -106,7 +107,7 @@ def test_observation_budget_keeps_closing_tag(scripted, toy_tokenizer):
 def test_invalid_actions_are_recorded(scripted, toy_tokenizer, action, stop):
     cfg = dataclasses.replace(CFG, max_turn_tokens=20)
     t = rollout_chains(QS[:1], 1, scripted(lambda u, k, s: action),
-                       SearchTool(FixedRetriever(), toy_tokenizer, cfg), cfg, seed=0)[0]
+                       SearchTool(FixedRetriever(), toy_tokenizer, cfg, SEARCH), cfg, seed=0)[0]
     assert [x.stop for x in t.turns] == [stop]
     if stop == "eos":
         assert t.turns[0].action_ids[-1] == toy_tokenizer.eos_token_id
@@ -123,7 +124,7 @@ def test_search_r1_style_retries_invalid_actions(scripted, toy_tokenizer):
 
     cfg = dataclasses.replace(CFG, prompt_style="search_r1", on_invalid="retry",
                               max_turn_tokens=20)
-    tool = SearchTool(FixedRetriever(), toy_tokenizer, cfg)
+    tool = SearchTool(FixedRetriever(), toy_tokenizer, cfg, SEARCH)
     t = rollout_chains(QS[:1], 1, scripted(script), tool, cfg, seed=0)[0]
     assert [x.stop for x in t.turns] == ["max_tokens", "answer"]
     assert list(t.turns[0].obs_ids) == toy_tokenizer.encode(SEARCH_R1_INVALID,
@@ -147,7 +148,7 @@ def test_a_stop_request_ends_the_rollout_at_the_next_wave(scripted, toy_tokenize
             return super().search(queries, topk)
 
     engine = scripted(search_then_answer)
-    tool = SearchTool(StopOnSearch(), toy_tokenizer, CFG)
+    tool = SearchTool(StopOnSearch(), toy_tokenizer, CFG, SEARCH)
     with PreemptionHandler():  # clears the request on exit
         with pytest.raises(StopRequested, match="SIGTERM"):
             rollout_chains(QS, 3, engine, tool, CFG, seed=0)
@@ -160,7 +161,7 @@ def test_the_tool_counts_observations_the_budget_cuts(toy_tokenizer):
                       add_special_tokens=False)
     # a budget of exactly the body's length cuts nothing; one token less cuts every observation
     for budget, cut in ((len(body), 0), (len(body) - 1, 2)):
-        tool = SearchTool(retriever, tok, dataclasses.replace(CFG, max_obs_tokens=budget))
+        tool = SearchTool(retriever, tok, dataclasses.replace(CFG, max_obs_tokens=budget), SEARCH)
         obs = tool.observe(["Foo", "Foo"])
         assert (tool.observations, tool.cut) == (2, cut)
         assert len(obs[0]) == len(tool.head) + min(budget, len(body)) + len(tool.tail)

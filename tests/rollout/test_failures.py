@@ -9,6 +9,7 @@ import pytest
 from conftest import FixedRetriever
 
 from a2tgpo.algo.rewards import score_response
+from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool, rollout_chains
 from a2tgpo.rollout.failures import (
     OUTCOMES,
@@ -20,6 +21,7 @@ from a2tgpo.rollout.failures import (
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400,
                   max_tool_calls=2)
+SEARCH = RetrievalConfig()  # passages per search and their length
 
 
 def answer(text: str) -> str:
@@ -56,7 +58,7 @@ def episodes(scripted, toy_tokenizer):
     qs = {f"q{i}": Question(f"q{i}", text, ("Bar",), hop_type=("multi" if (hops or 0) > 1
                                                                   else "single"), hops=hops)
           for i, (text, hops) in enumerate(QUESTIONS)}
-    tool = SearchTool(FixedRetriever(), toy_tokenizer, CFG)
+    tool = SearchTool(FixedRetriever(), toy_tokenizer, CFG, SEARCH)
     trajs = rollout_chains(list(qs.values()), 1, scripted(script), tool, CFG, seed=0)
     scored = []
     for t in trajs:  # as rollout.runner.score writes extra

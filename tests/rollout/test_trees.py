@@ -12,10 +12,12 @@ from conftest import FixedRetriever
 
 from a2tgpo.algo import turn_advantages
 from a2tgpo.algo.methods import RolloutShapeConfig
+from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool
 from a2tgpo.rollout.trees import at2po_select, rollout_aepo, rollout_at2po, rollout_tree_grpo
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=900, max_obs_tokens=60)
+SEARCH = RetrievalConfig()  # passages per search and their length
 QS = [Question("q1", "Who directed Foo", ("a1",)), Question("q2", "Where is Baz", ("a2",))]
 AT2PO = RolloutShapeConfig(shape="tree_entropy", n=22, tree_m=10, tree_l=2, tree_k=6)
 TREE_GRPO = RolloutShapeConfig(shape="tree_random", n=6, tree_m=2, tree_n=2, tree_l=1, tree_k=3)
@@ -51,7 +53,7 @@ def setup(scripted, tok, script, entropy=False):
     engine, retriever = scripted(script), FixedRetriever()
     if entropy:
         engine = EntropyEngine(engine, tok)
-    return engine, retriever, SearchTool(retriever, tok, CFG)
+    return engine, retriever, SearchTool(retriever, tok, CFG, SEARCH)
 
 
 def check_forest(trajs):

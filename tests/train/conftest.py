@@ -45,7 +45,7 @@ def toy(tmp_path_factory):
     tok = load_tokenizer(BackboneConfig(id="toy", path=str(root / "base")))
     retriever = build_retriever(retrieval, root / "world" / "corpus.jsonl", root / "i.faiss")
     qs = load_oracle_questions(root / "world", [("tq", "train"), ("tm", "train")])
-    demos = write_demonstrations(qs, SearchTool(retriever, tok, agent), agent,
+    demos = write_demonstrations(qs, SearchTool(retriever, tok, agent, retrieval), agent,
                                  imperfect_fraction=0.25, seed=0)
     model = load_model(BackboneConfig(id="toy", path=str(root / "base"), dtype="float32"))
     # enough epochs for the tags and the answer format: rewards must differ within groups

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from a2tgpo.algo.rewards import score_response
+from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig, SearchTool
 from a2tgpo.rollout.trajectory import collate
 from a2tgpo.train.sft import (
@@ -29,6 +30,7 @@ from a2tgpo.train.sft import (
 
 PAIRS = [("s", "train"), ("m", "train")]
 AGENT = AgentConfig()
+SEARCH = RetrievalConfig()  # passages per search and their length
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def questions(toy):
 
 @pytest.fixture(scope="module")
 def demos(questions, retriever, tokenizer):
-    tool = SearchTool(retriever, tokenizer, AGENT)
+    tool = SearchTool(retriever, tokenizer, AGENT, SEARCH)
     return write_demonstrations(questions, tool, AGENT, imperfect_fraction=0.25, seed=0)
 
 
@@ -126,7 +128,7 @@ def test_demonstrations_are_well_formed(demos, questions, tokenizer):
 
 
 def test_observations_are_the_search_tools_ids(demos, retriever, tokenizer):
-    tool = SearchTool(retriever, tokenizer, AGENT)
+    tool = SearchTool(retriever, tokenizer, AGENT, SEARCH)
     turns = [t for d in demos for t in d.turns if t.stop == "search"]
     assert turns
     fresh = tool.observe([t.query for t in turns])
@@ -171,7 +173,7 @@ def test_a_planned_first_thought_counts_the_searches_of_multi_hop_questions():
 
 
 def test_demonstrations_carry_the_plan_when_asked(questions, retriever, tokenizer):
-    tool = SearchTool(retriever, tokenizer, AGENT)
+    tool = SearchTool(retriever, tokenizer, AGENT, SEARCH)
     planned = write_demonstrations(questions, tool, AGENT, imperfect_fraction=0.25, seed=0,
                                    plan=True)
     for d, q in zip(planned, questions, strict=True):
@@ -394,6 +396,6 @@ def test_config_checks():
 def test_only_a2tgpo_style(questions, retriever, tokenizer):
     cfg = AgentConfig(prompt_style="search_r1")
     with pytest.raises(ValueError, match="a2tgpo"):
-        write_demonstrations(questions[:1], SearchTool(retriever, tokenizer, cfg), cfg,
+        write_demonstrations(questions[:1], SearchTool(retriever, tokenizer, cfg, SEARCH), cfg,
                              imperfect_fraction=0.0, seed=0)
 
