@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from a2tgpo.config import ConfigError
-from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig
+from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig, read_config_json
 from a2tgpo.train.checkpoint import SAVE_SHARD_BYTES
 
 GIB = 2**30
@@ -179,23 +179,6 @@ def count_parameters(arch: ArchitectureConfig) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-def _config_json(backbone: BackboneConfig) -> dict | None:
-    """The model's config.json from its local directory or the hub cache, if present."""
-    local = Path(backbone.path) / "config.json"
-    if local.is_file():
-        return json.loads(local.read_text())
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(backbone.path, "config.json",
-                                       revision=backbone.revision)
-    except ValueError:  # not a hub id either (a local model not built yet)
-        return None
-    return json.loads(Path(found).read_text()) if isinstance(found, str) else None
-
-
 def _arch_from_json(cfg: dict) -> ArchitectureConfig:
     cfg = cfg.get("text_config", cfg)
     heads = cfg["num_attention_heads"]
@@ -211,7 +194,7 @@ def model_sizes(backbone: BackboneConfig, toy=None) -> ModelSizes:
     """The backbone's sizes: its config.json where it is on disk (checked against the
     backbone file's `architecture` if both exist), else that `architecture`, else for a built
     (toy) backbone the `toy_backbone` section `toy` (its vocabulary as an upper bound)."""
-    found = _config_json(backbone)
+    found = read_config_json(backbone)
     arch = _arch_from_json(found) if found is not None else backbone.architecture
     if found is not None and backbone.architecture is not None \
             and arch != backbone.architecture:

@@ -42,7 +42,7 @@ from a2tgpo.grid import (
     cells_of,
     validate_grid,
 )
-from a2tgpo.model.backbone import BackboneConfig, load_backbone_config
+from a2tgpo.model.backbone import BackboneConfig, load_backbone_config, model_context
 from a2tgpo.model.fetch import encoder_is_hub_id, is_hub_id
 from a2tgpo.model.toy import ToyBackboneConfig
 from a2tgpo.report import ReportConfig
@@ -471,6 +471,7 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"{source}: train.method_overrides.{key}: matches no method id "
                               f"({', '.join(known)}){hint}")
+    _check_contexts(study, source)
     _check_cells(study, source, cells)
     checks = StudyChecks(cells=cells, sweeps=sweeps)
     if plan:
@@ -536,6 +537,17 @@ def _encoder_width(study: StudyConfig) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _check_contexts(study: StudyConfig, source: str) -> None:
+    """Every backbone's max_model_len within the context its model is made for."""
+    for i, b in enumerate(study.backbones):
+        cfg = study.backbone(b)
+        limit = model_context(cfg, study.toy_backbone.max_position_embeddings)
+        if limit is not None and cfg.max_model_len > limit[0]:
+            raise ConfigError(f"{source}: backbones[{i}]: {Path(study.backbones_dir)}/{b}.yaml: "
+                              f"max_model_len: {cfg.max_model_len} is over the model's context "
+                              f"of {limit[0]} tokens ({limit[1]})")
 
 
 def _check_cells(study: StudyConfig, source: str, cells: dict[str, list[Cell]]) -> None:

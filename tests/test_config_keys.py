@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from a2tgpo.config import ConfigError, describe
-from a2tgpo.study import load_study, resolve_cell, study_cells
+from a2tgpo.study import check_study, load_study, resolve_cell, study_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "config/config.yaml"
@@ -222,3 +223,75 @@ def test_a_topk_over_the_servers_max_topk_is_refused_at_load(capsys):
     err = capsys.readouterr().err
     assert re.search(r"paper\.yaml: cell backbone~\S+ \(after study overrides\): "
                      r"retrieval: topk 101 is over http\.max_topk 100", err), err
+
+
+def test_the_rollout_budget_must_leave_room_for_a_prompt_in_max_model_len():
+    # the toy reader's context is 2048 tokens: a response budget of 2048 leaves no prompt
+    study = load_study(TOY, ["train.rollout.max_response_tokens=2048"])
+    with pytest.raises(ConfigError, match=r"^cfg: cell backbone~toy_reader/\S+ \(after study "
+                                          r"overrides\): <root>: rollout\.max_response_tokens "
+                                          r"\(2048\) leaves no room for a prompt in "
+                                          r"backbone\.max_model_len \(2048\)"):
+        check_study(study, "cfg", plan=False)
+    check_study(load_study(TOY, ["train.rollout.max_response_tokens=2047"]), "cfg", plan=False)
+
+
+def _backbone_dir(tmp_path, name, **changes):
+    spec = yaml.safe_load((ROOT / f"config/backbones/{name}.yaml").read_text())
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**spec, **changes}))
+    return tmp_path
+
+
+def test_a_built_backbones_max_model_len_must_fit_the_model_it_builds(tmp_path):
+    # config/backbones/toy.yaml is built with toy_backbone.max_position_embeddings (2048)
+    d = _backbone_dir(tmp_path, "toy", max_model_len=4096)
+    study = load_study(TOY, [f"backbones_dir={d}", "backbones=[toy]", "sweeps=[]"])
+    with pytest.raises(ConfigError, match=rf"^cfg: backbones\[0\]: {d}/toy\.yaml: "
+                                          r"max_model_len: 4096 is over the model's context of "
+                                          r"2048 tokens \(toy_backbone\.max_position_embeddings\)"):
+        check_study(study, "cfg", plan=False)
+    check_study(load_study(TOY, [f"backbones_dir={d}", "backbones=[toy]", "sweeps=[]",
+                                 "toy_backbone.max_position_embeddings=4096"]), "cfg", plan=False)
+
+
+def test_a_released_backbones_max_model_len_must_fit_its_config_json(tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "assets/toy-reader", model)
+    d = _backbone_dir(tmp_path, "toy_reader", path=str(model), max_model_len=4096)
+    study = load_study(TOY, [f"backbones_dir={d}"])
+    with pytest.raises(ConfigError, match=rf"^cfg: backbones\[0\]: {d}/toy_reader\.yaml: "
+                                          r"max_model_len: 4096 is over the model's context of "
+                                          rf"2048 tokens \(max_position_embeddings in the "
+                                          rf"config\.json of {model}\)"):
+        check_study(study, "cfg", plan=False)
+    # a RoPE-scaled model's length is the engine's to work out
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 2048}
+    (model / "config.json").write_text(json.dumps(cfg))
+    check_study(study, "cfg", plan=False)
+
+
+def test_the_hf_engine_gets_the_backbones_max_model_len():
+    from a2tgpo.rollout.runner import make_engine
+
+    class Model:  # what HfEngine reads of a model before it samples
+        generation_config = type("G", (), {"eos_token_id": 0})()
+
+        def parameters(self):
+            import torch
+
+            yield torch.zeros(1)
+
+    class Tok:
+        eos_token_id, pad_token_id = 0, 0
+
+    study = load_study(TOY)
+    cfg = resolve_cell(study, study_cells(study)["main"][0].path)
+    assert cfg.engine == "hf"
+    engine = make_engine(cfg, Model(), Tok())
+    assert engine.max_model_len == cfg.backbone.max_model_len == 2048
+

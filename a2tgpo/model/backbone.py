@@ -68,6 +68,47 @@ def load_backbone_config(path: str | Path, overrides=()) -> BackboneConfig:
     return load_config(BackboneConfig, path, overrides)
 
 
+def read_config_json(cfg: BackboneConfig) -> dict | None:
+    """The model's config.json from its local directory or the hub cache, if present."""
+    import json
+
+    local = Path(cfg.path) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision)
+    except ValueError:  # not a hub id either (a local model not built yet)
+        return None
+    return json.loads(Path(found).read_text()) if isinstance(found, str) else None
+
+
+def model_context(cfg: BackboneConfig, built_positions: int | None = None
+                  ) -> tuple[int, str] | None:
+    """(longest sequence the model is made for, where that is stated): for a built (toy)
+    backbone `built_positions` (the study's toy_backbone.max_position_embeddings, what the DAG
+    builds it with), else its config.json's max_position_embeddings; None where neither is
+    known, or where config.json scales RoPE (the engine works the length out)."""
+    if cfg.needs_build:
+        if built_positions is None:
+            return None
+        return built_positions, "toy_backbone.max_position_embeddings"
+    found = read_config_json(cfg)
+    if found is None:
+        return None
+    text = found.get("text_config", found)
+    n = text.get("max_position_embeddings")
+    # rope_parameters: transformers 5's files; rope_scaling: the hub's older ones
+    rope = text.get("rope_parameters") or {}
+    if (not isinstance(n, int) or text.get("rope_scaling")
+            or rope.get("rope_type", "default") != "default"):
+        return None
+    return n, f"max_position_embeddings in the config.json of {cfg.path}"
+
+
 def resolve_dtype(dtype: Dtype, device: str):
     import torch
 

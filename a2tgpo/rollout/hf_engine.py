@@ -19,6 +19,11 @@ with grouped-query heads uncopied (`a2tgpo.model.backbone.ATTENTION`): transform
 whole cache at every token for both. With the common prefix: greedy evaluation 1.9x, sampled
 rollouts 1.8x faster than transformers' stock path, the same trajectories (bench/decode.py).
 
+Context: with `max_model_len` (the backbone's), as in vLLM, a row stops ("length") when its
+prompt and sampled ids fill the context, and a prompt that leaves no room is refused. The
+rollout's budgets fit the context (`TrainConfig` checks it), so the limit binds only on a
+prompt longer than that check leaves room for.
+
 Determinism: each prompt's sampling draws from its own `torch.Generator` seeded by its seed,
 so a prompt's continuation does not depend on which other prompts share the batch (up to the
 float effects of padding on the forward pass).
@@ -91,8 +96,12 @@ class HfEngine:
 
     def __init__(self, model, tokenizer, *, eos_token_ids: list[int] | None = None,
                  max_batch: int = 64, prefix_cache_bytes: int = 1 << 30,
-                 append_cache: bool = True, common_prefix: bool = True):
+                 append_cache: bool = True, common_prefix: bool = True,
+                 max_model_len: int | None = None):
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.model = model
+        self.max_model_len = max_model_len  # prompt + sampled ids per row; None = no limit
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         eos = eos_token_ids
@@ -160,6 +169,10 @@ class HfEngine:
         B = len(prompts)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        cap = self.max_model_len
+        if cap is not None and (longest := max(len(p) for p in prompts)) >= cap:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in the context of "
+                             f"max_model_len {cap} tokens (the backbone's)")
         cache, logits, attn = self._prefill(prompts)
         next_pos = torch.tensor([len(p) for p in prompts], device=self.device)
         gens = [torch.Generator(device=self.device).manual_seed(int(sd)) for sd in seeds]
@@ -184,7 +197,8 @@ class HfEngine:
                     done[r] = ("eos", None)
                 elif params.stop and (hit := self._stop_hit(toks[r], params.stop, max_stop)):
                     done[r] = ("stop", hit)
-                elif step == params.max_tokens - 1:
+                elif (step == params.max_tokens - 1
+                      or cap is not None and len(prompts[r]) + len(toks[r]) >= cap):
                     done[r] = ("length", None)
                 else:
                     keep.append(i)

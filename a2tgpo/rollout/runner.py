@@ -57,7 +57,7 @@ def make_engine(cfg: TrainConfig, model, tok, devices: tuple[int, ...] | None = 
     loads the backbone, on the local GPUs `devices` (None: as vLLM picks them; tensor parallel
     over `cfg.rollout_tp` of them), and receives weights by `update_weights`."""
     if cfg.engine == "hf":
-        return HfEngine(model, tok)
+        return HfEngine(model, tok, max_model_len=cfg.backbone.max_model_len)
     from a2tgpo.rollout.vllm_engine import VllmEngine  # optional, GPU nodes
 
     return VllmEngine(cfg.backbone.path, max_model_len=cfg.backbone.max_model_len,

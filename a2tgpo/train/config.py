@@ -191,6 +191,14 @@ class TrainConfig(TrainSettings):
         if buf > self.rollout.max_response_tokens:
             raise ValueError(f"method.dapo.overlong_buffer ({buf}) exceeds "
                              f"rollout.max_response_tokens ({self.rollout.max_response_tokens})")
+        if self.rollout.max_response_tokens >= self.backbone.max_model_len:
+            raise ValueError(
+                f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) leaves no "
+                f"room for a prompt in backbone.max_model_len ({self.backbone.max_model_len}): "
+                "a trajectory is its prompt plus up to max_response_tokens of turns and "
+                "observations, and must fit the backbone's context; lower "
+                f"rollout.max_response_tokens or raise max_model_len in the file of backbone "
+                f"{self.backbone.id}")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,25 @@ def test_max_tokens_and_eos(engine):
             g.token_ids[-1] not in engine.eos else g.stop_reason == "eos"
 
 
+def test_max_model_len_ends_each_row_where_its_context_is_full(model_tok):
+    model, tok = model_tok
+    # no end-of-sequence token (-1 is never sampled): only a limit ends a row
+    free = HfEngine(model, tok, eos_token_ids=[-1])
+    capped = HfEngine(model, tok, eos_token_ids=[-1], max_model_len=9)
+    params = SamplingParams(max_tokens=6)
+    full = free.generate(PROMPTS, params, seeds=[1, 2, 3])
+    cut = capped.generate(PROMPTS, params, seeds=[1, 2, 3])
+    # context 9: the 4-token prompt has room for 5 ids, the 2-token one for 7 (max_tokens 6
+    # ends it first), the 6-token one for 3; each is the free sample's prefix, stop "length"
+    assert [len(g.token_ids) for g in full] == [6, 6, 6]
+    assert [len(g.token_ids) for g in cut] == [5, 6, 3]
+    for f, c in zip(full, cut, strict=True):
+        assert c.token_ids == f.token_ids[: len(c.token_ids)] and c.stop_reason == "length"
+    # a prompt that fills the context has no room for a token: refused, as vLLM refuses it
+    with pytest.raises(ValueError, match="6 tokens leaves no room .* max_model_len 6"):
+        HfEngine(model, tok, max_model_len=6).generate(PROMPTS, params, seeds=[1, 2, 3])
+
+
 def test_greedy_and_logprobs_match_a_plain_forward(engine, model_tok):
     model, _ = model_tok
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, greedy=True))
