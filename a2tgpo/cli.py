@@ -329,11 +329,15 @@ def cmd_methods(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from a2tgpo.config import load_config
+    from a2tgpo.retrieval.retriever import RetrievalConfig
     from a2tgpo.train import sft
 
+    retrieval = load_config(RetrievalConfig, args.retrieval) if args.retrieval else None
     return sft.main(args.config, args.overrides, backbone_dir=args.backbone,
                     world_dir=args.world, corpus=args.corpus, index=args.index,
-                    out_dir=args.out, section=args.section, holdout=args.holdout)
+                    out_dir=args.out, section=args.section, holdout=args.holdout,
+                    retrieval=retrieval)
 
 
 def cmd_train(args) -> int:
@@ -844,6 +848,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", required=True, help="directory written by `a2tgpo world`")
     p.add_argument("--corpus", required=True, help="retrieval corpus (JSONL)")
     p.add_argument("--index", required=True, help="faiss index of the corpus")
+    p.add_argument("--retrieval", default=None,
+                   help="the study's retrieval section as a file (the encoder of --index, "
+                   "topk, max_passage_chars); default: that section's defaults")
     p.add_argument("--holdout", default=None,
                    help="prepared QA file whose questions are left out (e.g. data/dev.parquet)")
     p.add_argument("--out", required=True, help="output model directory")

@@ -185,6 +185,21 @@ def test_passages_per_search_and_their_length_are_the_retrieval_sections():
     assert all(len(p) == 20 for _, p in pages)
 
 
+def test_the_warm_start_searches_with_the_studys_retrieval_section(tmp_path, monkeypatch):
+    # rule sft passes the study's retrieval section: its demonstrations show what RL shows
+    from a2tgpo import cli
+    from a2tgpo.config import dump_config
+    from a2tgpo.train import sft
+
+    seen = {}
+    monkeypatch.setattr(sft, "main", lambda *a, **kw: seen.update(kw) or 0)
+    section = tmp_path / "retrieval.yaml"
+    dump_config(load_study(TOY, ["retrieval.topk=5"]).retrieval, section)
+    assert cli.main(["sft", "sft.yaml", "--backbone", "b", "--world", "w", "--corpus", "c",
+                     "--index", "i", "--out", "o", "--retrieval", str(section)]) == 0
+    assert seen["retrieval"].topk == 5
+
+
 @pytest.mark.parametrize("override, key, owner", [
     ("train.rollout.topk=5", r"train\.rollout\.topk", r"retrieval\.topk"),
     ("train.rollout.max_passage_chars=500", r"train\.rollout\.max_passage_chars",

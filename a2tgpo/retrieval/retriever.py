@@ -52,8 +52,8 @@ class RetrievalConfig:
     )
     topk: int = option(
         3, "Passages per search call (the papers use 3): what every rollout (training, "
-        "validation, evaluation) is shown, the server's default for a request without topk, "
-        "and `a2tgpo search`'s.", ge=1)
+        "validation, evaluation, the toy's warm-start demonstrations) is shown, the server's "
+        "default for a request without topk, and `a2tgpo search`'s.", ge=1)
     max_passage_chars: int = option(
         1000, "A2TGPO/AT2PO style: each passage is cut to this many characters before the "
         "policy sees it.", ge=1

@@ -39,6 +39,14 @@ def test_dry_run_built_backbone_plans_its_build_and_warm_start(workdir):
     assert "toy_backbone" in out and "\nsft " in out
 
 
+def test_the_warm_start_reads_the_studys_retrieval_section(workdir):
+    r = smk(workdir, "-n", "--printshellcmds", "results/toy/sft/config.json", "--config",
+            "backbones=['toy_reader', 'toy']")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (cmd,) = re.findall(r"^Shell command: (a2tgpo sft .*)$", r.stdout, re.M)
+    assert "--retrieval results/toy/configs/retrieval.yaml " in cmd, cmd
+
+
 def test_dry_run_hub_corpus_plans_download(workdir):
     r = smk(workdir, "-n", "--quiet", "rules", "--config", "corpus={'source': 'hub'}")
     assert r.returncode == 0, r.stderr

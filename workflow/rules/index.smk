@@ -80,6 +80,7 @@ rule sft:
         data=f"{R}/data/summary.json",
         index=index_file(),
         corpus=corpus_file(),
+        retrieval=f"{R}/configs/retrieval.yaml",
     output:
         f"{R}/sft/config.json",
     log:
@@ -91,5 +92,5 @@ rule sft:
         backbone=lambda wc, input: str(Path(input.backbone[0]).parent),
     shell:
         "a2tgpo sft {input.cfg:q} --backbone {params.backbone:q} --world {R:q}/world "
-        "--corpus {input.corpus:q} --index {input.index:q} --holdout {R:q}/data/dev.parquet "
-        "--out {R:q}/sft > {log:q} 2>&1"
+        "--corpus {input.corpus:q} --index {input.index:q} --retrieval {input.retrieval:q} "
+        "--holdout {R:q}/data/dev.parquet --out {R:q}/sft > {log:q} 2>&1"
