@@ -86,7 +86,8 @@ class Trajectory:
         return self.prefix_ids(len(self.turns))
 
     def response_ids(self) -> list[int]:
-        """Everything after the prompt: actions and observations, as the reward reads it."""
+        """Everything after the prompt: actions and observations, in order. The reward reads
+        the turns one by one instead (`a2tgpo.rollout.runner.response_of`)."""
         return self.token_ids()[len(self.prompt_ids):]
 
     def response_length(self) -> int:

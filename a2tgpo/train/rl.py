@@ -329,7 +329,8 @@ def start_run(cfg: TrainConfig) -> Run:
                                   weight_decay=cfg.optim.weight_decay)
     warm = max(1, cfg.optim.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm))
-    train_qs = load_questions(cfg.train_file)
+    # a question whose prompt is over the prompt budget is refused here, before any rollout
+    train_qs = load_questions(cfg.train_file, cfg=cfg, tok=tok)
     order = DataOrder(len(train_qs), seed=cfg.seed, epochs=_epochs(cfg, len(train_qs)))
     start, best, pending = 0, {"step": None, "val_em": -1.0}, False
     identity = run_identity(cfg) if rank == 0 else None
@@ -363,7 +364,8 @@ def start_run(cfg: TrainConfig) -> Run:
     run = Run(cfg=cfg, backend=backend, placement=placement, optimizer=optimizer,
               scheduler=scheduler, ref=ref, tok=tok, engine=engine,
               tool=search_tool(cfg, build_retriever(cfg.retrieval, cfg.corpus, cfg.index), tok),
-              train_qs=train_qs, dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions),
+              train_qs=train_qs,
+              dev_qs=load_questions(cfg.dev_file, cfg.schedule.eval_questions, cfg=cfg, tok=tok),
               order=order, start=start, best=best,
               saved=None if ckpt is None else start, pending_validation=pending,
               identity=identity)

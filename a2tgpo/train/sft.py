@@ -63,12 +63,12 @@ from pathlib import Path
 
 import torch
 
-from a2tgpo.algo.rewards import score_response
 from a2tgpo.config import load_config, to_dict
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.retrieval.retriever import RetrievalConfig, build_retriever
 from a2tgpo.rollout.agent import AgentConfig, SearchTool, prompt_ids
+from a2tgpo.rollout.runner import score_trajectory
 from a2tgpo.rollout.trajectory import Batch, Trajectory, TrajectoryBuilder, Turn, collate
 from a2tgpo.train.config import SftConfig
 
@@ -312,8 +312,7 @@ def write_demonstrations(questions: Sequence[OracleQuestion], tool: SearchTool, 
     out = []
     for b, kind in zip(builders, kinds, strict=True):
         traj = b.build()
-        s = score_response(tok.decode(traj.response_ids(), skip_special_tokens=True),
-                           b.golden_answers, "a2tgpo", training=True)
+        s = score_trajectory(tok, traj, "a2tgpo", training=True)
         out.append(dataclasses.replace(traj, reward=s.reward, extra={
             "kind": kind, "em": s.em, "format_ok": s.format_ok}))
     return out

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 from conftest import FixedRetriever
 
-from a2tgpo.algo.rewards import score_response
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool, rollout_chains
 from a2tgpo.rollout.failures import (
@@ -18,6 +17,7 @@ from a2tgpo.rollout.failures import (
     outcome_metrics,
     outcome_shares,
 )
+from a2tgpo.rollout.runner import score_trajectory
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400,
                   max_tool_calls=2)
@@ -62,8 +62,7 @@ def episodes(scripted, toy_tokenizer):
     trajs = rollout_chains(list(qs.values()), 1, scripted(script), tool, CFG, seed=0)
     scored = []
     for t in trajs:  # as rollout.runner.score writes extra
-        s = score_response(toy_tokenizer.decode(t.response_ids(), skip_special_tokens=True),
-                           t.golden_answers, "a2tgpo", training=False)
+        s = score_trajectory(toy_tokenizer, t, "a2tgpo", training=False)
         scored.append(dataclasses.replace(t, extra={"em": s.em, "format_ok": s.format_ok,
                                                     "answer": s.answer}))
     return scored, qs
