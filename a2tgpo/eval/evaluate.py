@@ -15,16 +15,27 @@ Outputs of one checkpoint, in `<out>/` (the directory is replaced atomically as 
 reader never sees a mix of two evaluations; summary.json is the completeness marker):
 
     <dataset>.json              {"dataset", "group", "n", "em", "f1", "format_ok", "tool_calls",
-                                 "step", "checkpoint", "criterion", "outcomes"} (means over the
-                                 questions; outcomes: the share of each outcome)
+                                 "step", "checkpoint", "criterion", "failed", "outcomes"} (means
+                                 over the questions; failed: questions that got no rollout;
+                                 outcomes: the share of each outcome)
     <dataset>.predictions.jsonl one row per question, file order: {"id", "question",
                                  "golden_answers", "prediction" (extracted answer or null),
                                  "em", "f1", "format_ok", "tool_calls", "queries", "stop",
-                                 "outcome" (a2tgpo/rollout/failures.py: why it failed)}
-    summary.json                {"step", "checkpoint", "criterion", "label",
-                                 "datasets": {name: {"n", "em", "f1", "group"}},
+                                 "outcome" (a2tgpo/rollout/failures.py: why it failed, or one
+                                 of ROW_FAILURES), "error" (null, or why it got no rollout)}
+    summary.json                {"step", "checkpoint", "criterion", "label", "failed",
+                                 "datasets": {name: {"n", "em", "f1", "group", "failed"}},
                                  "groups": {group: {"n", "em", "f1"}, ..., "all": {...}}}
     tracking/metrics.jsonl      what was logged to the cell's MLflow run (a2tgpo.tracking)
+
+One question never takes the evaluation down. Before any rollout, each prompt is measured
+against the prompt budget (`rollout.runner.prompt_budget`); a longer one is not rolled out
+(outcome "prompt_too_long"). A rollout call that raises is split in halves until the questions
+that raise stand alone (outcome "error", the exception in "error"); a stop request, a dead
+vLLM engine or an unreachable retriever still ends the evaluation, and so does a run where
+every question raised (nothing about it is one question's). A failed question is logged with
+its file, row and id, has an empty prediction and EM/F1 0, and counts in every mean (the
+papers' averages are over all questions); "failed" counts them.
 
 `<dataset>` is the parquet file's stem; its group is the `group` column of its rows (one group
 per file). Group averages are SAMPLE-WEIGHTED, as the papers define them (A2TGPO §5.2): the sum
@@ -46,6 +57,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,19 +69,27 @@ from a2tgpo.eval.select import complete_checkpoints, read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import progress_bar
+from a2tgpo.retrieval.http import RetrieverUnavailable
 from a2tgpo.retrieval.retriever import build_retriever
-from a2tgpo.rollout.failures import label_outcomes, outcome_shares
+from a2tgpo.rollout.agent import Question
+from a2tgpo.rollout.failures import OUTCOMES, label_outcomes
 from a2tgpo.rollout.runner import (
     GREEDY_SEED,
     make_engine,
+    prompt_budget,
+    prompt_lengths,
     question_of,
     resolve_device,
     rollout,
     score,
     search_tool,
+    too_long,
 )
+from a2tgpo.rollout.trajectory import Trajectory
+from a2tgpo.rollout.vllm_engine import EngineDead
 from a2tgpo.tracking import SUMMARY_FILE, Tracker
 from a2tgpo.train.config import TrainConfig
+from a2tgpo.train.preemption import StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +103,10 @@ DEFAULT_CHUNK = 1024
 CPU_MAX_BATCH = 32
 TRACKING_SUBDIR = "tracking"
 ALL = "all"
+# outcomes of a question that got no rollout (the others: a2tgpo/rollout/failures.py)
+ROW_FAILURES = ("prompt_too_long", "error")
+# failures that are no single question's: they end the evaluation
+_FATAL = (StopRequested, EngineDead, RetrieverUnavailable)
 
 
 @dataclass(frozen=True)
@@ -202,32 +226,87 @@ class _WaveProgress:
 def predict(cfg: TrainConfig, tok, engine, tool, test_sets: Sequence[EvalDataset], *,
             chunk: int = DEFAULT_CHUNK, progress: bool = True) -> dict[str, list[dict]]:
     """Greedy rollouts of every question of every set, scored; dataset -> prediction rows
-    (file order). All sets' questions are pooled into rollout calls of `chunk` questions."""
+    (file order). All sets' questions are pooled into rollout calls of `chunk` questions; a
+    question that fails is recorded as such (module docstring) and the others go on."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    items = [(s.name, r) for s in test_sets for r in s.rows]
-    out: dict[str, list[dict]] = {s.name: [] for s in test_sets}
+    items = [(s, i, r) for s in test_sets for i, r in enumerate(s.rows)]
+    out: dict[str, list] = {s.name: [None] * len(s.rows) for s in test_sets}
+    budget = prompt_budget(cfg)
+    lengths = prompt_lengths(cfg, tok, [question_of(r) for _, _, r in items])
+    todo = []
+    for item, n in zip(items, lengths, strict=True):
+        if n > budget:
+            _record_failure(out, item, "prompt_too_long", too_long(cfg, n))
+        else:
+            todo.append(item)
+    rolled, errors = 0, []
     with progress_bar(total=len(items), desc="evaluate", unit="q", disable=not progress) as bar:
+        bar.update(len(items) - len(todo))
         watched = _WaveProgress(engine, bar)
-        for start in range(0, len(items), chunk):
-            part = items[start: start + chunk]
-            qs = [question_of(r) for _, r in part]
+        for start in range(0, len(todo), chunk):
+            part = todo[start: start + chunk]
+            qs = [question_of(r) for _, _, r in part]
             watched.wave = 0
-            trajs = rollout(cfg, qs, watched, tool, seed=GREEDY_SEED, greedy=True)
-            trajs = score(cfg, tok, trajs, training=False)
+            results = _rollout_rows(cfg, qs, watched, tool)
+            done = [(item, t) for item, t in zip(part, results, strict=True)
+                    if isinstance(t, Trajectory)]
+            for item, t in zip(part, results, strict=True):
+                if not isinstance(t, Trajectory):
+                    _record_failure(out, item, "error", t)
+                    errors.append((item[2]["id"], t))
+            trajs = score(cfg, tok, [t for _, t in done], training=False)
             outcomes = label_outcomes(trajs, tok, {q.id: q for q in qs})
-            for (name, r), t, outcome in zip(part, trajs, outcomes, strict=True):
+            for ((s, i, r), _), t, outcome in zip(done, trajs, outcomes, strict=True):
                 if t.question_id != r["id"]:
                     raise RuntimeError(f"rollout order changed: {t.question_id} for {r['id']}")
-                out[name].append({
+                out[s.name][i] = {
                     "id": r["id"], "question": r["question"],
                     "golden_answers": list(r["golden_answers"]), "prediction": t.extra["answer"],
                     "em": float(t.extra["em"]), "f1": float(t.extra["f1"]),
                     "format_ok": bool(t.extra["format_ok"]), "tool_calls": t.num_tool_calls,
                     "queries": [x.query for x in t.turns if x.stop == "search"],
-                    "stop": t.turns[-1].stop, "outcome": outcome})
+                    "stop": t.turns[-1].stop, "outcome": outcome, "error": None}
+            rolled += len(done)
             bar.update(len(part))
-    return out
+    if errors and not rolled:
+        first_id, first = errors[0]
+        raise RuntimeError(f"every question's rollout raised ({len(errors)}; the first, "
+                           f"{first_id!r}: {first}): a failure of the run, not of one row")
+    return out  # every slot is filled: a prediction or a recorded failure
+
+
+def _rollout_rows(cfg: TrainConfig, qs: list[Question], engine, tool
+                  ) -> list[Trajectory | str]:
+    """Greedy rollouts of `qs`, one per question. Where the call raises anything but `_FATAL`,
+    it is split in halves until each question that raises stands alone; such a question gets
+    "<exception type>: <message>" in place of a trajectory. (The halves run in smaller engine
+    batches; greedy decoding gives the same tokens up to ties within batch-padding noise.)"""
+    try:
+        return list(rollout(cfg, qs, engine, tool, seed=GREEDY_SEED, greedy=True))
+    except _FATAL:
+        raise
+    except Exception as e:  # one question's failure must not end the others
+        error = f"{type(e).__name__}: {e}"
+    # outside the handler, so the failed call's traceback (and its tensors) is freed first
+    if len(qs) == 1:
+        return [error]
+    log.warning("a rollout call of %d questions raised (%s); splitting it to find the "
+                "questions that fail", len(qs), error)
+    mid = len(qs) // 2
+    return (_rollout_rows(cfg, qs[:mid], engine, tool)
+            + _rollout_rows(cfg, qs[mid:], engine, tool))
+
+
+def _record_failure(out: dict[str, list], item: tuple[EvalDataset, int, dict], outcome: str,
+                    error: str) -> None:
+    s, i, r = item
+    log.warning("%s: row %d (id %r) not evaluated (%s): %s; recorded with an empty prediction",
+                s.path, i, r["id"], outcome, error)
+    out[s.name][i] = {
+        "id": r["id"], "question": r["question"], "golden_answers": list(r["golden_answers"]),
+        "prediction": None, "em": 0.0, "f1": 0.0, "format_ok": False, "tool_calls": 0,
+        "queries": [], "stop": None, "outcome": outcome, "error": error}
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,14 +325,17 @@ def write_results(out_dir: str | Path, test_sets: Sequence[EvalDataset],
         if len(rows) != len(s.rows):
             raise ValueError(f"{s.path}: {len(rows)} predictions for {len(s.rows)} questions")
         m = mean_metrics(rows, ("em", "f1", "format_ok", "tool_calls"))
+        failed = sum(r.get("outcome") in ROW_FAILURES for r in rows)
         per_set[s.name] = {"dataset": s.name, "group": s.group, **m, "step": step,
-                           "checkpoint": checkpoint, "criterion": criterion}
+                           "checkpoint": checkpoint, "criterion": criterion, "failed": failed}
         if rows and all("outcome" in r for r in rows):
-            per_set[s.name]["outcomes"] = {
-                k.split("/", 1)[1]: v for k, v in outcome_shares(
-                    [r["outcome"] for r in rows], [None] * len(rows), "o").items()}
-        datasets[s.name] = {"n": m["n"], "em": m["em"], "f1": m["f1"], "group": s.group}
+            counts = Counter(r["outcome"] for r in rows)
+            per_set[s.name]["outcomes"] = {o: counts[o] / len(rows)
+                                           for o in (*OUTCOMES, *ROW_FAILURES)}
+        datasets[s.name] = {"n": m["n"], "em": m["em"], "f1": m["f1"], "group": s.group,
+                            "failed": failed}
     summary = {"step": step, "checkpoint": checkpoint, "criterion": criterion, "label": label,
+               "failed": sum(d["failed"] for d in datasets.values()),
                "datasets": datasets, "groups": group_averages(predictions, groups)}
     with atomic_path(out_dir, directory=True) as tmp:
         for name, record in per_set.items():
@@ -317,8 +399,10 @@ def _track(cell: Path, cfg: TrainConfig, out_dir: Path, tags: dict, fn) -> None:
 
 def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
     groups = ", ".join(f"{g} {d['em']:.4f}" for g, d in summary["groups"].items())
+    failed = (f" ({summary['failed']} not evaluated: outcome and error in the predictions)"
+              if summary["failed"] else "")
     return (f"step {summary['step']} ({summary['label']}): EM {groups} on "
-            f"{len(summary['datasets'])} test sets, {timing['questions']} questions in "
+            f"{len(summary['datasets'])} test sets, {timing['questions']} questions{failed} in "
             f"{timing['rollout_seconds']:.1f} s ({timing['questions_per_s']:.1f} q/s) -> "
             f"{out_dir}")
 

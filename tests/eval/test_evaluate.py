@@ -15,7 +15,7 @@ def _write_parquet(path, rows):
 
     path.parent.mkdir(parents=True, exist_ok=True)
     full = [{"id": r["id"], "question": r.get("question", "q?"),
-             "golden_answers": r.get("golden_answers", ["a"]), "source": "s", "split": "test",
+             "golden_answers": r.get("golden_answers", ["x"]), "source": "s", "split": "test",
              "group": r["group"], "hop_type": None, "hops": None} for r in rows]
     _write_rows(path, full)
     return path
@@ -61,7 +61,8 @@ def test_written_summary_uses_weighted_group_means(tmp_path):
     rec = json.loads((out / "a.json").read_text())
     assert rec == {"dataset": "a", "group": "multi_hop", "n": 3, "em": 1.0, "f1": 0.0,
                    "format_ok": 1.0, "tool_calls": 2.0, "step": 20,
-                   "checkpoint": "checkpoints/step_000020/model", "criterion": "dev_em"}
+                   "checkpoint": "checkpoints/step_000020/model", "criterion": "dev_em",
+                   "failed": 0}
     assert json.loads((out / "b.json").read_text())["tool_calls"] == 0.0
     assert len(read_jsonl(out / "a.predictions.jsonl")) == 3
     assert sorted(p.name for p in out.iterdir()) == [
@@ -130,6 +131,137 @@ def test_mixed_groups_duplicate_names_and_ids_are_errors(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# one question never takes the evaluation down
+
+LONG = "Why " * 25_000  # 100,000 characters, far over any prompt budget
+
+
+class AnswerEngine:
+    """Answers every prompt at once with `\\boxed{Foo}`; raises `error` for a batch holding a
+    prompt that contains "boom" (as a batch that runs out of memory does). Records the rows
+    of each call and the longest prompt it was given."""
+
+    def __init__(self, tok, error: Exception | None = None):
+        self.tok, self.error, self.batches, self.longest = tok, error, [], 0
+        self.ids = tuple(tok.encode("<think> x </think> <answer> \\boxed{Foo} </answer>",
+                                    add_special_tokens=False))
+
+    def generate(self, prompts, params, seeds=None):
+        from a2tgpo.rollout.engine import Generation
+
+        self.batches.append(len(prompts))
+        self.longest = max([self.longest, *map(len, prompts)])
+        if self.error is not None and any("boom" in self.tok.decode(p) for p in prompts):
+            raise self.error
+        return [Generation(self.ids, (0.0,) * len(self.ids), "stop", "</answer>")
+                for _ in prompts]
+
+
+def _predict(toy_cell, tmp_path, engine_error=None, questions=("Who is Foo?", LONG, "boom?",
+                                                               "Where is Foo?"), other="Who?"):
+    from a2tgpo.eval.evaluate import predict
+    from a2tgpo.model.backbone import load_tokenizer
+    from a2tgpo.rollout.agent import SearchTool
+
+    cfg = toy_cell.cfg
+    tok = load_tokenizer(cfg.backbone)
+    a = _write_parquet(tmp_path / "a.parquet", [
+        {"id": f"a{i}", "group": "multi_hop", "question": q, "golden_answers": ["Foo"]}
+        for i, q in enumerate(questions)])
+    b = _write_parquet(tmp_path / "b.parquet", [{"id": "b0", "group": "single_hop",
+                                                 "question": other, "golden_answers": ["Bar"]}])
+    sets = load_test_sets([a, b])
+    engine = AnswerEngine(tok, engine_error)
+    tool = SearchTool(None, tok, cfg.rollout, cfg.retrieval)  # nobody searches
+    return cfg, tok, sets, engine, predict(cfg, tok, engine, tool, sets, chunk=8,
+                                           progress=False)
+
+
+def test_failed_questions_are_recorded_and_the_others_evaluated(toy_cell, tmp_path, caplog):
+    from a2tgpo.rollout.runner import prompt_budget, prompt_lengths, question_of
+
+    with caplog.at_level("WARNING", logger="a2tgpo.eval.evaluate"):
+        cfg, tok, sets, engine, preds = _predict(
+            toy_cell, tmp_path, RuntimeError("CUDA out of memory (simulated)"))
+    budget = prompt_budget(cfg)  # backbone.max_model_len 8192 - rollout.max_response_tokens 400
+    assert budget == 7792
+    (long_len,) = prompt_lengths(cfg, tok, [question_of(sets[0].rows[1])])
+    assert long_len > budget and engine.longest <= budget  # the long prompt never ran
+    a = preds["a"]
+    assert [p["outcome"] for p in a] == ["correct", "prompt_too_long", "error", "correct"]
+    assert a[1]["error"] == (f"its prompt is {long_len} tokens, over the prompt budget of 7792 "
+                             "(backbone.max_model_len 8192 - rollout.max_response_tokens 400)")
+    assert a[2]["error"] == "RuntimeError: CUDA out of memory (simulated)"
+    for p in a[1:3]:
+        assert (p["prediction"], p["em"], p["f1"], p["tool_calls"], p["stop"]) == (
+            None, 0.0, 0.0, 0, None)
+    assert [p["prediction"] for p in (a[0], a[3], *preds["b"])] == ["Foo"] * 3
+    assert [p["error"] for p in (a[0], a[3], *preds["b"])] == [None] * 3
+    # 4 rows go to the engine (a0, a2, a3, b0) and raise; halves [a0, a2] (raises) and
+    # [a3, b0]; [a0, a2] splits into [a0] and [a2], which raises alone
+    assert engine.batches == [4, 2, 1, 1, 2]
+    logged = caplog.text
+    assert "a.parquet: row 1 (id 'a1') not evaluated (prompt_too_long)" in logged
+    assert "a.parquet: row 2 (id 'a2') not evaluated (error): RuntimeError" in logged
+
+    summary = write_results(tmp_path / "eval", sets, preds, step=0, checkpoint="c",
+                            criterion=None, label="step 0")
+    # failed rows count as wrong: a has EM (1 + 0 + 0 + 1)/4 = 0.5; b 0/1 ("Foo" vs "Bar")
+    assert summary["failed"] == 2
+    assert summary["datasets"]["a"] == {"n": 4, "em": 0.5, "f1": 0.5, "group": "multi_hop",
+                                        "failed": 2}
+    assert summary["datasets"]["b"]["failed"] == 0
+    rec = json.loads((tmp_path / "eval" / "a.json").read_text())
+    assert rec["failed"] == 2
+    assert rec["outcomes"] == pytest.approx({
+        "correct": 0.5, "limit": 0.0, "format": 0.0, "not_copied": 0.0, "stopped_early": 0.0,
+        "query_missed": 0.0, "prompt_too_long": 0.25, "error": 0.25})
+
+
+@pytest.mark.parametrize("fatal", ["stop", "engine", "retriever"])
+def test_a_stop_or_a_dead_engine_still_ends_the_evaluation(toy_cell, tmp_path, fatal):
+    from a2tgpo.retrieval.http import RetrieverUnavailable
+    from a2tgpo.rollout.vllm_engine import EngineDead
+    from a2tgpo.train.preemption import StopRequested
+
+    error = {"stop": StopRequested("stop requested (SIGTERM)"), "engine": EngineDead("gone"),
+             "retriever": RetrieverUnavailable("no answer")}[fatal]
+    with pytest.raises(type(error)):
+        _predict(toy_cell, tmp_path, error)
+
+
+def test_an_evaluation_where_every_question_raises_fails(toy_cell, tmp_path):
+    with pytest.raises(RuntimeError, match=r"every question's rollout raised \(2; the first, "
+                                           r"'a0': ValueError: bad\)"):
+        _predict(toy_cell, tmp_path, ValueError("bad"), questions=("boom?",), other="boom!")
+
+
+def test_a_100k_character_question_does_not_take_the_evaluation_down(toy_cell, own_cell,
+                                                                     capsys):
+    # the real policy and engine: the long question is recorded, the other one answered
+    from a2tgpo.cli import main
+    from a2tgpo.data.qa import load_split
+
+    cell, _ = own_cell
+    first = load_split(toy_cell.tests["ts"])[0]
+    path = _write_parquet(cell / "long.parquet", [
+        {**first, "id": "ok"}, {"id": "long", "group": first["group"], "question": LONG}])
+    (cell / "best.json").write_text(json.dumps({
+        "criterion": "dev_em", "label": "dev EM", "step": 2,
+        "checkpoint": "checkpoints/step_000002/model", "value": 0.5, "candidates": {"2": 0.5}}))
+    out = cell / "eval"
+    assert main(["evaluate", str(cell / "config.yaml"), "--best", str(cell / "best.json"),
+                 "--test", str(path), "--out", str(out)]) == 0
+    assert "2 questions (1 not evaluated: " in capsys.readouterr().out
+    ok, long = read_jsonl(out / "long.predictions.jsonl")
+    # the policy was fitted to answer the first question's gold after one search
+    assert (ok["prediction"], ok["em"], ok["tool_calls"]) == (toy_cell.answer, 1.0, 1)
+    assert (long["outcome"], long["prediction"]) == ("prompt_too_long", None)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == 1 and summary["datasets"]["long"]["em"] == 0.5
+
+
+# --------------------------------------------------------------------------------------------
 # end to end
 
 
@@ -187,7 +319,7 @@ def test_evaluate_best_end_to_end(toy_cell, own_cell, capsys):
         assert rec["outcomes"]["query_missed"] == pytest.approx(
             sum(p["outcome"] == "query_missed" for p in preds) / n)
         assert summary["datasets"][name] == pytest.approx(
-            {"n": n, "em": rec["em"], "f1": rec["f1"], "group": group})
+            {"n": n, "em": rec["em"], "f1": rec["f1"], "group": group, "failed": 0})
         assert summary["groups"][group]["em"] == pytest.approx(rec["em"])  # one set per group
         total_em += rec["em"] * n
         total_n += n
