@@ -213,6 +213,11 @@ def test_check_config_refuses_a_dev_size_that_leaves_a_track_nothing_to_train_on
     # the multi_hop track trains on toy_hotpotqa's 4 rows alone: dev_size 4 leaves none
     assert cli.main(["check-config", "config/config.yaml", train, "data.dev_size=4"]) == 2
     err = capsys.readouterr().err
+    assert (f": data.dev_size (track multi_hop: toy_hotpotqa): 4 dev rows held out of 4 "
+            f"training rows leave none to train on (toy_hotpotqa in {tmp_path}); set it below "
+            "4") in err, err
+    assert cli.main(["check-config", "config/config.yaml", train, "data.dev_size=3"]) == 0, \
+        capsys.readouterr().err
 
 
 WORLD_QA = "{name: x, loader: flashrag, repo: %s, subset: %s, split: %s, group: multi_hop}"
