@@ -52,7 +52,7 @@ except ConfigError as e:
 
 def check_rule_settings():
     """A --set-resources / --set-threads rule name (a profile's set-resources or the command
-    line) that matches no rule is an error: Snakemake would ignore it (a2tgpo/rule_settings.py).
+    line) that matches no rule is refused, as Snakemake would ignore it (a2tgpo/rule_settings.py).
     Called at the end of the Snakefile, once every rule is defined."""
     from a2tgpo.rule_settings import rule_settings_error
 
