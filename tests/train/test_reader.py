@@ -101,6 +101,8 @@ def test_check_study_refuses_a_reader_pretrained_on_the_study_world(tmp_path, mo
     reader = tmp_path / "reader"
     reader.mkdir()
     (reader / READER_FILE).write_text(json.dumps({"world_seeds": [0, 1000]}))
+    # a saved model's folder (the load-time check of a backbone path wants its config.json)
+    (reader / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     bdir = tmp_path / "backbones"
     bdir.mkdir()
     (bdir / "r.yaml").write_text(yaml.safe_dump({"id": "r", "path": str(reader),
