@@ -182,6 +182,7 @@ def plan_phases(args, arch: dict, method, schedule, device_total: float) -> dict
     from a2tgpo.algo.methods import METHODS  # noqa: F401 - the method table is loaded
     from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig
     from a2tgpo.plan import ModelSizes, count_parameters, memory_phases
+    from a2tgpo.rollout.agent import AgentConfig
     from a2tgpo.train.config import TrainConfig
 
     a = ArchitectureConfig(model_type="qwen3", **arch)
@@ -191,6 +192,8 @@ def plan_phases(args, arch: dict, method, schedule, device_total: float) -> dict
                       zero_stage=2, engine="vllm", engine_memory_share=args.engine_share,
                       gradient_checkpointing=True, ig_batch_size=args.ig_batch,
                       offload_optimizer=True,
+                      # the papers' split of the context: a quarter for the prompt (2000 of 8192)
+                      rollout=AgentConfig(max_response_tokens=args.max_tokens * 3 // 4),
                       backbone=BackboneConfig(id="probe", path="probe",
                                               max_model_len=args.max_tokens,
                                               architecture=a))
