@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.expensive  # ~35 s of the default suite's time: CI runs it in its own step
 def test_gpu_check_runs_tiny_on_cpu():
     """bench/gpu_check.sh --tiny: the GPU check's steps (the colocation probe, one RL step, the
     throughput bench) on CPU with tiny models, each finishing, in the project environment."""

@@ -168,7 +168,7 @@ CELLS = [f"backbone~toy/method~{m}/beta~{b}/seed~1"
          for m, b in (("react", "0"), ("grpo", "0"), ("a2tgpo", "0.3"))]
 
 
-@pytest.mark.slow
+@pytest.mark.expensive  # ~2 minutes: CI runs it in its own step (.ci/run)
 def test_toy_dag_end_to_end(workdir):
     small_toy(workdir)
     r = smk(workdir)
