@@ -23,6 +23,7 @@ from a2tgpo.config import (
     apply_overrides,
     dump_config,
     file_name_error,
+    format_value,
     from_dict,
     json_schema,
     name_error,
@@ -205,9 +206,15 @@ def study_schema() -> dict:
 def study_from_dict(data: dict, source: str) -> StudyConfig:
     """Strict validation of an already-parsed study config (Snakemake's `config` dict)."""
     study = from_dict(StudyConfig, data, source=source)
+    for key in ("results_dir", "cache_dir", "backbones_dir", "methods_dir"):
+        if getattr(study, key) == "":
+            raise ConfigError(f"{source}: {key}: an empty path (write . for this folder)")
     for key in ("results_dir", "cache_dir"):
         if error := _folder_error(getattr(study, key)):
             raise ConfigError(f"{source}: {key}: {error}")
+    # a method file in a folder that does not exist would silently be the built-in table's
+    if not Path(study.methods_dir).is_dir():
+        raise ConfigError(f"{source}: methods_dir: no such folder: {study.methods_dir}")
     if error := _folder_error(study.root):
         raise ConfigError(f"{source}: study: {error} (<results_dir>/<study>)")
     for i, b in enumerate(study.backbones):
@@ -473,6 +480,7 @@ def check_study(study: StudyConfig, source: str, *, plan: bool = True) -> StudyC
                               f"({', '.join(known)}){hint}")
     _check_contexts(study, source)
     _check_cells(study, source, cells)
+    _check_report(study, source, known, cells)
     checks = StudyChecks(cells=cells, sweeps=sweeps)
     if plan:
         from a2tgpo.plan import plan_evals, plan_retries, plan_study, refusal
@@ -512,6 +520,17 @@ def _check_load_time_values(study: StudyConfig, source: str) -> None:
         if r.index.prebuilt is None and (error := factory_error(r.index.factory,
                                                                 _encoder_width(study))):
             raise ConfigError(f"{source}: retrieval.index.factory: {error}")
+        if r.index.prebuilt is not None and not Path(r.index.prebuilt).is_file():
+            download = study.corpus.download
+            written = study.root / "corpus" / download.index.combined_name  # download_corpus
+            made = (study.corpus.source == "hub" and download.index.enabled
+                    and Path(r.index.prebuilt) == written)
+            if not made:
+                raise ConfigError(
+                    f"{source}: retrieval.index.prebuilt: no such file: {r.index.prebuilt} (nor "
+                    "the index the corpus download writes: "
+                    + (f"{study.root}/corpus/{download.index.combined_name})"
+                       if download.index.enabled else "corpus.download.index.enabled is false)"))
     for track in study.track_names:
         data = study.track_data(track)
         rows = [known_rows(s) for s in data.train]
@@ -537,6 +556,33 @@ def _encoder_width(study: StudyConfig) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _check_report(study: StudyConfig, source: str, known: list[str],
+                  cells: dict[str, list[Cell]]) -> None:
+    """The report names methods that exist, and its beta_main is a β the grid runs its
+    beta_method at: a typo there would leave a row, a line or a whole table empty. (Backbone
+    and dataset lists are orders for whatever the results hold, the papers' by default, so
+    names absent from this study are expected there.)"""
+    r = study.report
+    named = [("methods", r.methods), ("method_labels", tuple(r.method_labels)),
+             ("ablation_a2tgpo", tuple(r.ablation_a2tgpo)),
+             ("ablation_at2po", tuple(r.ablation_at2po)),
+             ("credit_at2po", tuple(r.credit_at2po)), ("beta_method", (r.beta_method,)),
+             ("beta_reference_methods", r.beta_reference_methods),
+             ("advantage_methods", r.advantage_methods), ("jaccard_method", (r.jaccard_method,))]
+    named += [(f"paired[{i}]", pair) for i, pair in enumerate(r.paired)]
+    for key, ids in named:
+        for m in ids:
+            if m not in known:
+                near = difflib.get_close_matches(m, known, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ConfigError(f"{source}: report.{key}: {m!r} is no method id{hint}")
+    betas = sorted({c.beta for cs in cells.values() for c in cs if c.method == r.beta_method})
+    if betas and format_value(r.beta_main) not in {format_value(b) for b in betas}:
+        raise ConfigError(f"{source}: report.beta_main: {format_value(r.beta_main)} is not a β "
+                          f"the grid runs {r.beta_method} at "
+                          f"({', '.join(format_value(b) for b in betas)})")
 
 
 def _check_contexts(study: StudyConfig, source: str) -> None:

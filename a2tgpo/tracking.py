@@ -115,6 +115,9 @@ class TrackingConfig:
     )
 
     def __post_init__(self) -> None:
+        for key in ("tracking_uri", "experiment", "artifact_location"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise InvalidKey(key, "empty: write null for the default")
         if self.tracking_uri and (error := tracking_uri_error(self.tracking_uri)):
             raise InvalidKey("tracking_uri", error)
         if self.log_every < 1:

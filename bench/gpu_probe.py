@@ -193,7 +193,8 @@ def plan_phases(args, arch: dict, method, schedule, device_total: float) -> dict
                       gradient_checkpointing=True, ig_batch_size=args.ig_batch,
                       offload_optimizer=True,
                       # the papers' split of the context: a quarter for the prompt (2000 of 8192)
-                      rollout=AgentConfig(max_response_tokens=args.max_tokens * 3 // 4),
+                      rollout=AgentConfig(max_response_tokens=args.max_tokens * 3 // 4,
+                                          max_turn_tokens=min(500, args.max_tokens * 3 // 4)),
                       backbone=BackboneConfig(id="probe", path="probe",
                                               max_model_len=args.max_tokens,
                                               architecture=a))

@@ -162,6 +162,19 @@ def test_check_config_accepts_a_method_override_pattern_that_matches(capsys):
      r"retrieval\.encoder\.model: neither a local directory nor a hub id: Repo id must use"),
     ("retrieval.encoder.model=config", (r"retrieval\.encoder\.model: local directory config "
                                        r"has no config\.json")),
+    # an index file that is not there and that no rule writes: the first retrieval job fails
+    ("retrieval.index.prebuilt=/nonexistent/x.index",
+     (r"retrieval\.index\.prebuilt: no such file: /nonexistent/x\.index \(nor the index the "
+      r"corpus download writes: corpus\.download\.index\.enabled is false\)")),
+    # the tables job would leave a row, a curve or a whole table empty
+    ("report.methods=[grpo, nosuch]", r"report\.methods: 'nosuch' is no method id$"),
+    ("report.jaccard_method=a2tgp",
+     r"report\.jaccard_method: 'a2tgp' is no method id \(did you mean 'a2tgpo'\?\)"),
+    ("report.paired=[[a2tgpo, igpo], [grpo, grpoo]]",
+     r"report\.paired\[1\]: 'grpoo' is no method id \(did you mean 'grpo'\?\)"),
+    # the toy grid runs a2tgpo at the betas of its main (0.3) and beta (0-0.5 by 0.1) sets
+    ("report.beta_main=0.77", (r"report\.beta_main: 0\.77 is not a β the grid runs a2tgpo at "
+                               r"\(0, 0\.1, 0\.2, 0\.3, 0\.4, 0\.5\)")),
 ])
 def test_check_config_refuses_what_a_late_job_would_find(override, message, capsys):
     from a2tgpo import cli
@@ -177,7 +190,8 @@ def test_check_config_accepts_factories_and_encoders_that_build(capsys):
     # IVF16,PQ8: 384 = 8 x 48; a bm25 study reads neither key; a prebuilt index is not built
     for overrides in (["retrieval.index.factory=IVF16,PQ8"], ["retrieval.index.factory=HNSW32"],
                       ["retrieval.retriever=bm25", "retrieval.encoder.model=e5-base-v2"],
-                      ["retrieval.index.prebuilt=x.faiss", "retrieval.index.factory=Flatt"]):
+                      ["retrieval.index.prebuilt=config/config.yaml",
+                       "retrieval.index.factory=Flatt"]):
         assert cli.main(["check-config", "config/config.yaml", *overrides]) == 0, \
             capsys.readouterr().err
 
@@ -286,6 +300,22 @@ SEED_BOUND = "must be >= 0 and < 4294967296"  # 2**32: numpy's legacy seeding, v
     ("backbones=[toy_reader, toy_reader]", r"backbones\[1\]: 'toy_reader' is listed twice"),
     ("tracks.single_hop.test=[toy_nq, toy_nq]",
      r"tracks\.single_hop\.test\[1\]: 'toy_nq' is listed twice"),
+    # values a job would misread or fail on
+    ("train.optim.betas=[0.9]", r"train\.optim\.betas: AdamW takes two betas"),
+    ("train.rollout.max_turn_tokens=99999",
+     r"train\.rollout: max_turn_tokens \(99999\) exceeds max_response_tokens"),
+    ("retrieval.index.max_memory_fraction=1.5",
+     r"retrieval\.index\.max_memory_fraction: 1\.5 is out of range: must be > 0 and <= 1"),
+    ("retrieval.http.host='bad host'",
+     r"retrieval\.http\.host: 'bad host' is neither an IP address nor a host name"),
+    ("retrieval.encoder.revision=''", r"retrieval\.encoder\.revision: empty"),
+    ("corpus.download.revision=' '", r"corpus\.download\.revision: empty"),
+    ("corpus.download.endpoint=hf-mirror.com",
+     r"corpus\.download\.endpoint: expected an http\(s\):// URL"),
+    ("tracking.experiment=''", r"tracking\.experiment: empty"),
+    ("cache_dir=''", r"cache_dir: an empty path"),
+    ("results_dir=''", r"results_dir: an empty path"),
+    ("methods_dir=config/method", r"methods_dir: no such folder: config/method$"),
 ])
 def test_values_a_late_job_would_trip_on_are_refused_at_load(override, message):
     with pytest.raises(ConfigError) as e:

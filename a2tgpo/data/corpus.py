@@ -134,6 +134,11 @@ class CorpusConfig:
     def __post_init__(self) -> None:
         if error := file_name_error(self.filename):  # <out>/<filename>
             raise InvalidKey("filename", error)
+        if self.endpoint is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?",
+                                                          self.endpoint):
+            raise InvalidKey("endpoint", f"expected an http(s):// URL, got {self.endpoint!r}")
+        if self.revision is not None and not self.revision.strip():
+            raise InvalidKey("revision", "empty: write null for the default branch")
         if self.expected_lines is not None and self.expected_lines < 0:
             raise ValueError(f"expected_lines: must be >= 0, got {self.expected_lines}")
         if self.expected_bytes is not None and self.expected_bytes <= 0:

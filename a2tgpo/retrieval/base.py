@@ -7,11 +7,13 @@ implement the same `search`, so the agent loop never knows which one it talks to
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from a2tgpo.config import option
+from a2tgpo.config import InvalidKey, option
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,22 @@ class Retriever(Protocol):
     def close(self) -> None:
         """Release resources (threads, sessions, GPU memory)."""
         ...
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_error(host: str) -> str | None:
+    """Why `host` is neither an IP address nor a host name a server can bind (None: it is)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return None
+    return f"{host!r} is neither an IP address nor a host name"
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,8 @@ class HttpConfig:
         "connection is closed, so silent or half-sent connections do not pile up.", gt=0)
 
     def __post_init__(self) -> None:
+        if error := host_error(self.host):
+            raise InvalidKey("host", error)
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
         if self.retry_budget_s < 0:

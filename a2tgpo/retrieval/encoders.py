@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from a2tgpo.config import check_device, option
+from a2tgpo.config import InvalidKey, check_device, option
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         check_device("device", self.device)
+        if self.revision is not None and not self.revision.strip():
+            raise InvalidKey("revision", "empty: write null for the default branch")
         if self.max_length < 2 or self.batch_size < 1:
             raise ValueError("max_length must be >= 2 and batch_size >= 1")
 

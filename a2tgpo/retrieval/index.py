@@ -71,8 +71,8 @@ class IndexConfig:
         "checked when the index loads; lets `a2tgpo plan` size a Flat index not on disk yet "
         "(corpus rows x dim x 4 B). null = the encoder's config.json when it is on disk.", ge=1)
     max_memory_fraction: float = option(
-        0.9, "Refuse to load an index estimated to need more than this fraction of free RAM.", gt=0
-    )
+        0.9, "Refuse to load an index estimated to need more than this fraction of free RAM.", gt=0,
+        le=1)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or self.chunk_size < 1:

@@ -76,6 +76,9 @@ class AgentConfig:
         if min(self.max_turn_tokens, self.max_response_tokens, self.max_obs_tokens) < 1 \
                 or self.max_tool_calls < 0:
             raise ValueError("token limits must be >= 1, max_tool_calls >= 0")
+        if self.max_turn_tokens > self.max_response_tokens:  # a turn is part of the response
+            raise ValueError(f"max_turn_tokens ({self.max_turn_tokens}) exceeds "
+                             f"max_response_tokens ({self.max_response_tokens})")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from a2tgpo.algo.methods import MethodConfig
-from a2tgpo.config import SEED_LIMIT, check_device, option
+from a2tgpo.config import SEED_LIMIT, InvalidKey, check_device, option
 from a2tgpo.model.backbone import BackboneConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig
 from a2tgpo.rollout.agent import AgentConfig
@@ -27,6 +27,11 @@ class OptimConfig:
     weight_decay: float = option(0.01, "AdamW weight decay.", ge=0)
     warmup_steps: int = option(0, "Linear warmup over this many optimizer updates.", ge=0)
     grad_clip: float = option(1.0, "Max gradient norm (0 = no clipping).", ge=0)
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:  # torch.optim.AdamW takes (beta1, beta2)
+            raise InvalidKey("betas", f"AdamW takes two betas [beta1, beta2], got "
+                             f"{list(self.betas)}")
 
 
 @dataclass(frozen=True)
