@@ -42,6 +42,7 @@ def test_gpu_check_runs_tiny_on_cpu():
     assert math.isfinite(float(table["IG extra time / old-logprob time"])), out.stdout
 
 
+@pytest.mark.expensive  # ~20 s: CI runs it in its own step
 def test_toy_update_runs_quick():
     out = subprocess.run([sys.executable, "bench/toy_update.py", "--quick"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
@@ -57,6 +58,7 @@ def test_toy_update_runs_quick():
     assert rows["before"][2] == 1.0 and "summary: computed/real" in out.stdout, out.stdout
 
 
+@pytest.mark.expensive  # ~20 s: CI runs it in its own step
 def test_plan_memory_runs_quick():
     out = subprocess.run([sys.executable, "bench/plan_memory.py", "--quick"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
