@@ -10,10 +10,18 @@ objects (same token ids) for the shared prefix: nothing is regenerated or re-tok
 A node's entropy is `Turn.entropy`, the mean −log π of its sampled tokens: AT2PO's node entropy
 (`node.entropy = −mean(logprob)`; paper Eq. 2 as a Monte-Carlo estimate).
 
-All three run in waves (`agent.rollout_wave`): one wave moves every live trajectory of every
-question and tree by one turn and sends all of the wave's searches to the retriever at once.
-Builders live in one list for the whole call and never move, so `rollout_wave`'s per-(builder,
-turn) seeds are distinct and the result is a function of `seed` alone; `rng` (default
+Tree-GRPO and AT2PO run by the rollout's schedule (`agent.continue_rollouts`): a phase (the
+first chains, then each expansion round) runs every live builder to the end of its episode, in
+waves or each trajectory on its own. A round's expansions are chosen from the whole tree the
+phase before left (AT2PO scores every node; Tree-GRPO draws from every non-leaf node), so a
+branch starts once its round is chosen, after every builder of the phase before has ended;
+within a phase nothing waits for another trajectory's turn. New turns get node ids in wave
+order whatever the schedule (`RolloutTree.register`), so node ids, AT2PO's ties to the older
+node and the expansion draws are the same under both schedules. AEPO decides its branches
+after each wave from that wave's entropies and counts consecutive branching waves, so it runs
+in waves (`agent.rollout_wave`) under either schedule.
+Builders live in one list for the whole call and never move, so the per-(builder, turn) seeds
+are distinct and the result is a function of `seed` alone; `rng` (default
 `random.Random(seed)`) makes every choice (expansion nodes, leaves, branch draws).
 
 Each tree builder is one leaf: it ends at a node no other builder holds, because every branch
@@ -33,6 +41,7 @@ from a2tgpo.rollout.agent import (
     AgentConfig,
     Question,
     SearchTool,
+    continue_rollouts,
     is_live,
     prompt_ids,
     rollout_wave,
@@ -71,9 +80,16 @@ class RolloutTree:
         return b
 
     def register(self) -> None:
-        """Give each turn added since the last call a fresh node id (call after each wave)."""
-        for b in self.builders:
-            for k in range(len(b.node_ids), len(b.turns)):
+        """Give each turn added since the last call a fresh node id, in wave order: every
+        builder's first new turn (builder order), then every second new turn, and so on, as
+        one call after each wave would number them."""
+        start = [len(b.node_ids) for b in self.builders]
+        for step in range(max((len(b.turns) - s for b, s in zip(self.builders, start,
+                                                                   strict=True)), default=0)):
+            for b, s in zip(self.builders, start, strict=True):
+                k = s + step
+                if k >= len(b.turns):
+                    continue
                 parent = b.node_ids[k - 1] if k else ROOT
                 self.nodes[parent].children += 1
                 self.nodes.append(RolloutNode(parent, k, float(b.turns[k].entropy), b))
@@ -116,16 +132,14 @@ def _question_builders(questions: Sequence[Question], tool: SearchTool, cfg: Age
     return out
 
 
-def _run_waves(builders: list[TrajectoryBuilder], trees: list[RolloutTree], engine: Engine,
+def _run_phase(builders: list[TrajectoryBuilder], trees: list[RolloutTree], engine: Engine,
                tool: SearchTool, cfg: AgentConfig, seed: int) -> None:
-    """Run every live builder to the end of its episode, numbering new nodes after each wave.
-    `builders` holds every builder of the call (finished ones are not live), so a builder's
-    index, hence its sampling seeds, never changes."""
-    live = [is_live(b, cfg) for b in builders]
-    while any(live):
-        live = rollout_wave(builders, live, engine, tool, cfg, seed=seed)
-        for t in trees:
-            t.register()
+    """Run every live builder to the end of its episode (by `cfg.schedule`), then number the
+    new nodes. `builders` holds every builder of the call (finished ones are not live), so a
+    builder's index, hence its sampling seeds, never changes."""
+    continue_rollouts(builders, engine, tool, cfg, seed=seed)
+    for t in trees:
+        t.register()
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -162,12 +176,12 @@ def rollout_tree_grpo(questions: Sequence[Question], engine: Engine, tool: Searc
         for j in range(m):
             trees.append(RolloutTree(f"{q.id}#{j}"))
             builders.append(trees[-1].add(make()))
-    _run_waves(builders, trees, engine, tool, agent_cfg, seed)
+    _run_phase(builders, trees, engine, tool, agent_cfg, seed)
     for it in range(iters):
         for t in trees:
             for node in rng.choices(t.expandable(), k=n_exp):
                 builders.append(t.add(t.branch(node, sibling=False), expansion=(it, node)))
-        _run_waves(builders, trees, engine, tool, agent_cfg, seed)
+        _run_phase(builders, trees, engine, tool, agent_cfg, seed)
     out = []
     for t in trees:
         for i in sorted(rng.sample(range(len(t.builders)), k)):
@@ -228,12 +242,12 @@ def rollout_at2po(questions: Sequence[Question], engine: Engine, tool: SearchToo
                        strict=True):
         trees.append(RolloutTree(f"{q.id}#0"))
         builders += [trees[-1].add(make()) for _ in range(m)]
-    _run_waves(builders, trees, engine, tool, agent_cfg, seed)
+    _run_phase(builders, trees, engine, tool, agent_cfg, seed)
     for r in range(rounds):
         for t in trees:
             for node in at2po_select(at2po_scores(t, alpha), k, shape_cfg.node_select, rng):
                 builders.append(t.add(t.branch(node, sibling=True), expansion=(r, node)))
-        _run_waves(builders, trees, engine, tool, agent_cfg, seed)
+        _run_phase(builders, trees, engine, tool, agent_cfg, seed)
     out = []
     for t in trees:
         n_leaves = len(t.builders)
