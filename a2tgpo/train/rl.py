@@ -60,7 +60,7 @@ from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
-from a2tgpo.rollout.agent import Question, SearchTool
+from a2tgpo.rollout.agent import Question, RolloutStats, SearchTool
 from a2tgpo.rollout.failures import outcome_metrics
 from a2tgpo.rollout.info_gain import build_probe, gold_logprob_matrix, score_gold_logprobs
 from a2tgpo.rollout.runner import (
@@ -472,14 +472,16 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> 
 
 def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], dict]:
     """Scored trajectories of the step's prompt groups, in the same order on every rank, and
-    {"gen_batches", "retrieval_calls", "obs_cut"}. Without dynamic sampling one generation
-    batch is the step; with it, groups whose `dapo.filter_metric` has no spread are dropped
-    and further batches drawn until `prompts_per_step` groups are kept."""
+    {"gen_batches", "retrieval_calls", "obs_cut"} with this rank's rollout times
+    (`ROLLOUT_TIMES`). Without dynamic sampling one generation batch is the step; with it,
+    groups whose `dapo.filter_metric` has no spread are dropped and further batches drawn
+    until `prompts_per_step` groups are kept."""
     cfg, backend, dapo = run.cfg, run.backend, run.cfg.method.dapo
     want = cfg.schedule.prompts_per_step
     n_prompts = want * (dapo.gen_batch_multiplier if dapo.dynamic_sampling else 1)
     calls_before, retrieval_before = run.tool.calls, run.tool.seconds
     obs_before, cut_before = run.tool.observations, run.tool.cut
+    run.tool.stats.take()  # what validation's rollouts left
     kept: list[Trajectory] = []
     gen_batches = 0
     while True:
@@ -505,6 +507,7 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
                 f"DAPO dynamic sampling: only {len(groups)} of {want} groups with "
                 f"{dapo.filter_metric} spread after {gen_batches} generation batches "
                 "(dapo.max_num_gen_batches); the policy's rewards are nearly constant")
+    times = rollout_times(clock.times["rollout"], run.tool.stats.take())
     # retrieval happens inside the rollout: reported on its own, and taken out of "rollout"
     clock.times["retrieval"] = run.tool.seconds - retrieval_before
     clock.times["rollout"] -= clock.times["retrieval"]
@@ -512,7 +515,21 @@ def sample_groups(run: Run, seed: int, clock: Clock) -> tuple[list[Trajectory], 
     obs = backend.all_reduce_sum(float(run.tool.observations - obs_before))
     cut = backend.all_reduce_sum(float(run.tool.cut - cut_before))
     return kept, {"gen_batches": gen_batches, "retrieval_calls": calls,
-                  "obs_cut": cut / obs if obs else 0.0}
+                  "obs_cut": cut / obs if obs else 0.0, **times}
+
+
+# this rank's rollout, per step (metrics rollout/<key>): its wall seconds (retrieval included),
+# the share of them the engine had a generation in flight, the longest trajectory's seconds,
+# and the mean seconds a trajectory waited on search (query sent -> observation appended)
+ROLLOUT_TIMES = ("seconds", "engine_busy", "longest_trajectory_s", "search_wait_s")
+
+
+def rollout_times(seconds: float, stats: RolloutStats) -> dict[str, float]:
+    """`ROLLOUT_TIMES` from the rollouts' wall seconds and the tool's `RolloutStats`."""
+    return dict(zip(ROLLOUT_TIMES, (
+        seconds, min(1.0, stats.engine_busy_s / seconds) if seconds > 0 else 0.0,
+        stats.longest_s, stats.search_wait_s / stats.trajectories if stats.trajectories
+        else 0.0), strict=True))
 
 
 def _rollout(run: Run, questions: list[Question], *, seed: int, greedy: bool = False
@@ -786,6 +803,7 @@ def rollout_metrics(trajs: list[Trajectory], sampling: dict) -> dict:
         "rollout/retrieval_calls": sampling["retrieval_calls"],
         # share of the step's observations whose passages rollout.max_obs_tokens cut
         "rollout/obs_cut": sampling["obs_cut"],
+        **{f"rollout/{k}": sampling[k] for k in ROLLOUT_TIMES if k in sampling},
         "rollout/entropy": float(np.mean([x.entropy for t in trajs for x in t.turns])),
     }
     for c in range(max(calls) + 1):

@@ -216,3 +216,17 @@ def test_tree_nodes_are_numbered_in_wave_order_after_a_whole_phase():
     tree.register()
     assert a.node_ids == [1, 3] and b.node_ids == [2, 4]
     assert [n.parent for n in tree.nodes[1:]] == [0, 0, 1, 2]
+
+
+def test_rollout_times_per_step():
+    from a2tgpo.rollout.agent import RolloutStats
+    from a2tgpo.train.rl import ROLLOUT_TIMES, rollout_times
+
+    # 10 s of rollouts, the engine busy for 6 of them; 4 trajectories waited 3 s on search in
+    # all (0.75 s each); the longest took 8 s
+    got = rollout_times(10.0, RolloutStats(engine_busy_s=6.0, search_wait_s=3.0, longest_s=8.0,
+                                           trajectories=4))
+    assert got == {"seconds": 10.0, "engine_busy": 0.6, "longest_trajectory_s": 8.0,
+                   "search_wait_s": 0.75}
+    assert tuple(got) == ROLLOUT_TIMES
+    assert rollout_times(0.0, RolloutStats())["engine_busy"] == 0.0  # a rank without questions
