@@ -31,10 +31,13 @@ def _round_trip(packed):
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_receive, args=(theirs, packed.cuda_uuid))
     proc.start()
+    theirs.close()  # the receiver's end lives in the receiver only: its exit ends recv()
     try:
         ours.send_bytes(packed.payload)
         got = ours.recv()
         assert ours.recv() == "done"
+    except EOFError:
+        pytest.fail("the receiving process failed (its traceback is above)")
     finally:
         proc.join(60)
     assert proc.exitcode == 0
