@@ -158,7 +158,7 @@ def make_engine(cfg: TrainConfig, model, tok, devices: tuple[int, ...] | None = 
     return VllmEngine(cfg.backbone.path, max_model_len=cfg.backbone.max_model_len,
                       seed=cfg.seed, gpu_memory_utilization=cfg.engine_memory_share,
                       enable_sleep_mode=cfg.engine_sleep, devices=devices,
-                      kv_cache_space_gb=cfg.engine_kv_cache_gb,
+                      kv_cache_space_gb=cfg.engine_kv_cache_gb, weight_sync=cfg.weight_sync,
                       tensor_parallel_size=cfg.rollout_tp)
 
 

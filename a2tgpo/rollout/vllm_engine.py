@@ -32,24 +32,82 @@ the same in the vllm 0.33.0 wheel's source (the GPU path has not been run):
   worker's class) called through `LLM.collective_rpc(<method name>, args=...)`. RPC arguments
   cross into the engine-core process with msgpack, decoded without a schema: `bytes` arrive
   intact, but a tensor would arrive as a raw (dtype, shape, buffer) list, and a callable needs
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`. So the weights travel as `torch.save` blobs, in
-  chunks (msgpack's binary limit is 4 GiB). The worker collects the chunks, then calls its own
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1`. The worker applies the weights with its own
   `reload_weights(weights_iterator=...)`, vLLM's in-place reload (V1 and V2 model runners
   alike). It restores each layer's checkpoint-format parameters, feeds the HF-named tensors
   to the model's `load_weights` (which packs q/k/v and gate/up and skips a tied
   `lm_head.weight`), and redoes the post-load processing once a layer is complete; a plain
   `model.load_weights` fails on CPU, whose post-load processing replaces the linear layers'
-  weight parameters. Afterwards
-  `LLM.reset_prefix_cache()` drops KV blocks computed with the old weights.
-- Sleep mode (`LLM(enable_sleep_mode=True)`, `LLM.sleep(level=1)`, `LLM.wake_up()`) exists
-  where `current_platform.is_sleep_mode_available()` (CUDA, ROCm, XPU). Level 1 moves the
-  weights to host memory and frees the KV cache; update weights only while awake.
+  weight parameters. Afterwards `LLM.reset_prefix_cache()` drops KV blocks computed with the
+  old weights. How the tensors get there is `weight_sync` (below).
+- Sleep mode (`LLM(enable_sleep_mode=True)`, `LLM.sleep(level=...)`, `LLM.wake_up(tags)`)
+  exists where `current_platform.is_sleep_mode_available()` (CUDA, ROCm, XPU). Level 1 moves
+  the weights to host memory and frees the KV cache; level 2 frees both. Update weights only
+  while the weights are awake.
 - On CPU, vLLM runs the engine core in a spawned process (the default
   `VLLM_ENABLE_V1_MULTIPROCESSING=1`), so scripts need an `if __name__ == "__main__":` guard.
   The in-process mode (`=0`) works too, but was ~90x slower here (2 prompts x 40 tokens:
   9 s against 0.1 s on 2 cores).
   The KV cache size on CPU is `kv_cache_space_gb` (vLLM's `kv_cache_memory_bytes`; the older
   `VLLM_CPU_KVCACHE_SPACE` variable sets the same thing).
+
+Weight sync (`weight_sync`). Read in the vllm 0.33.0 wheel (`pip download vllm==0.33.0`);
+paths under `vllm/`, lines of that wheel.
+
+- `bytes` (the default): the trainer `torch.save`s the state dict into blobs of at most
+  `weight_chunk_bytes`, sends them as RPC arguments, the worker `torch.load`s them and
+  reloads. Per sync that is several host copies of the whole model per rank: the CPU copy
+  (`.cpu()`, on GPU), the blob, msgpack's frame and ZMQ's, the engine core's copy, the
+  worker's received bytes and its loaded tensors. Sleep is level 1: the stale weights go to
+  host memory and back every step, only to be overwritten by the sync.
+- `ipc`: no tensor data crosses as bytes. The trainer pickles its state dict with
+  `multiprocessing.reduction.ForkingPickler` under torch.multiprocessing's reductions
+  (`torch/multiprocessing/reductions.py`: `reduce_tensor`, `reduce_storage`), which write
+  handles, not data: for a CUDA tensor the storage's CUDA IPC handle, offset, size and
+  stride (`rebuild_cuda_tensor`'s arguments); for a CPU tensor the file descriptor of its
+  storage in shared memory (a storage not yet shared is moved there in place, once: the
+  trainer's own parameters then stay in shared memory, and later steps update them there).
+  The pickle (a few hundred bytes per tensor) is one `bytes` RPC argument; the worker
+  unpickles it with an allow-list of torch's rebuild functions (anything else is refused),
+  maps the trainer's memory and reloads from it. The payload is built in this process and
+  travels only over vLLM's own local channel. This is what vLLM's IPC weight-transfer
+  engine does (`distributed/weight_transfer/ipc_engine.py:409-411` `reduce_tensor` per
+  parameter on the trainer, `:222-237` `rebuild_cuda_tensor` in the worker with argument 6,
+  the device index, replaced by the worker's own); it is not used itself because (a) its
+  update info holds torch classes in the handle tuples, which the offline `LLM`'s
+  msgpack `collective_rpc` cannot carry unless pickling is allowed
+  (`ipc_engine.py:73-92`: `ipc_handles_pickled` needs `VLLM_ALLOW_INSECURE_SERIALIZATION`),
+  (b) it is CUDA only, while the CPU build must run the same path for the tests, and (c) it
+  loads through the same layerwise reload that `reload_weights` runs
+  (`ipc_engine.py:160-180` and `model_executor/model_loader/reload/inplace.py:92-96`:
+  `initialize_layerwise_reload`, `model.load_weights`, `finalize_layerwise_reload`). vLLM's
+  `LLM.collective_rpc` itself says to pass control messages through it and set up a data
+  plane for data (`entrypoints/llm.py:596-599`); the handles are that data plane.
+  On GPU the handle carries the sending GPU's UUID, and the worker rebuilds on the local
+  device index with that UUID (the engine sees its GPUs renumbered by CUDA_VISIBLE_DEVICES);
+  a worker on another GPU of a tensor-parallel group maps it over peer access. The reload
+  buffers a layer's incoming tensors by reference until the layer is complete
+  (`reload/layerwise.py:185` `info.loaded_weights.append`), then copies them into the kept
+  kernel tensors (`:425`): the state dict is sent in layer order, so at most one layer
+  waits; nothing is copied before that device-to-device copy. The worker drops every mapped
+  tensor before it returns, and the trainer then calls `torch.cuda.ipc_collect()` so the
+  IPC reference counts are released. Sleep is level 2: `LLM.sleep(level=2)`
+  (`entrypoints/llm.py:839-869`) keeps the model's buffers on the host
+  (`v1/worker/gpu_worker.py:305-315`, restored at `:349-357` when the weights wake) and
+  frees the weights without saving them (`device_allocator/sleep_mode_backend.py:134-137`:
+  only level 1 offloads the "weights" tag; `device_allocator/cumem.py:265-278` unmaps the
+  rest). The trainer wakes the weights first (`wake(("weights",))`: `cumem.py:331-359` maps
+  fresh memory at the same addresses, so CUDA graphs stay valid), syncs into them, and only
+  then wakes the KV cache (`wake()`), as verl's vLLM sharding manager does
+  (`wake_up(tags=["weights"])`, load, `wake_up(tags=["kv_cache"])`): the trainer's state,
+  the engine's weights and its KV cache are never all on the device at once. Level 2 needs a
+  full sync after every wake; the trainer sends one every step, and the checksum check
+  (a2tgpo/rollout/weight_checksum.py) would see an engine left with unloaded memory.
+  `update_weights` returns the bytes the sync copied (engine/sync_bytes): `bytes`, the
+  tensor bytes serialized; `ipc`, only storages moved into shared memory (CPU, first sync),
+  0 on GPU. On CPU a storage's file descriptor is handed over once, to the first process that
+  asks (multiprocessing's resource sharer), so `ipc` there serves one worker per engine
+  (tensor parallel 1, what the CPU tests run); CUDA IPC handles can be opened by every worker.
 
 Stop signals. SLURM sends SIGTERM to every process of a job step (preemption, requeue, the
 `--signal=TERM@N` warning); the trainer turns it into a stop request and checkpoints at its next
@@ -94,7 +152,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -105,6 +163,10 @@ from a2tgpo.train.preemption import StopRequested, stop_requested
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# how the trainer's weights reach the engine (module docstring, "Weight sync")
+WeightSync = Literal["bytes", "ipc"]
+WEIGHT_SYNCS: tuple[str, ...] = ("bytes", "ipc")
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's wake_up tags of what sleep frees
 # the trainer's stop signals (preemption.PreemptionHandler.SIGNALS), kept from the engine
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 WATCH_S = 1.0  # how often a waiting call checks that the engine's processes are alive
@@ -136,6 +198,19 @@ class VllmWorkerExtension:
         weights = self.__dict__.pop("_a2tgpo_pending", {})
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
 
+    def a2tgpo_load_shared(self, payload: bytes, cuda_uuid: str | None) -> None:
+        """Reload from handles to the trainer's memory (a2tgpo/rollout/weight_handles.py):
+        the tensors map the trainer's shared CPU memory or, through CUDA IPC, its GPU memory,
+        and are copied once, by the reload, into the model. Nothing mapped is kept after the
+        return: the trainer may then reuse its memory (and releases the CUDA IPC counts)."""
+        from a2tgpo.rollout.weight_handles import unpack
+
+        weights = unpack(payload, cuda_uuid)
+        try:
+            self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        finally:
+            weights.clear()
+
     def a2tgpo_weights_checksum(self) -> dict[str, int]:
         """Per parameter, the checksum of what this worker's model computes with
         (a2tgpo/rollout/weight_checksum.py: layout-free, so comparable with the trainer's)."""
@@ -151,16 +226,23 @@ class VllmEngine:
     (vLLM's own "auto" would turn a float32 config into float16). `kv_cache_space_gb` fixes
     the KV cache size; unset, vLLM takes a fraction of the machine's RAM on CPU and
     `gpu_memory_utilization` of the GPU's memory on GPU. `devices`: the trainer's local GPU
-    indices the engine runs on (see `_visible_gpus`); None = vLLM's own choice. Other keyword
-    arguments go to `vllm.LLM` unchanged (e.g. `revision`, `tensor_parallel_size`).
+    indices the engine runs on (see `_visible_gpus`); None = vLLM's own choice. `weight_sync`:
+    how `update_weights` sends the weights and how deep `sleep` goes (module docstring). Other
+    keyword arguments go to `vllm.LLM` unchanged (e.g. `revision`, `tensor_parallel_size`).
     """
+
+    # where the engine's memory is asleep (a subset of SLEEP_TAGS); and whether its weights
+    # were dropped (sleep level 2) and not yet replaced by an update
+    sleeping: frozenset[str] = frozenset()
+    weights_dropped = False
+    weight_sync: WeightSync = "bytes"
 
     def __init__(self, model_path: str, *, max_model_len: int, dtype: Dtype = "auto",
                  gpu_memory_utilization: float = 0.5, seed: int = 0,
                  enforce_eager: bool | None = None, enable_sleep_mode: bool = False,
                  kv_cache_space_gb: float | None = None,
                  weight_chunk_bytes: int = GiB, devices: tuple[int, ...] | None = None,
-                 **llm_kwargs: Any):
+                 weight_sync: WeightSync = "bytes", **llm_kwargs: Any):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -169,7 +251,14 @@ class VllmEngine:
         if enable_sleep_mode and not self.sleep_enabled:
             log.debug("vLLM sleep mode is not available on this platform; sleep() is a no-op")
         self.weight_chunk_bytes = weight_chunk_bytes
-        self.asleep = False
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync {weight_sync!r}: one of {WEIGHT_SYNCS}")
+        self.weight_sync = weight_sync
+        tp = llm_kwargs.get("tensor_parallel_size", 1)
+        if weight_sync == "ipc" and device == "cpu" and tp > 1:
+            # a CPU storage's file descriptor is handed over once (multiprocessing's resource
+            # sharer): one worker per engine
+            raise ValueError("weight_sync ipc on CPU serves one worker: tensor_parallel_size 1")
         kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
         self.gone: str | None = None  # why the engine can no longer be called
         # the stop signals are kept out only where this process acts on them (the trainer's
@@ -194,6 +283,10 @@ class VllmEngine:
             )
         # the engine-core process(es) this LLM started (none in-process), and their workers
         self.procs = [p for p in _children() if p.pid not in before]
+        if weight_sync == "ipc" and device == "cuda" and not self.procs:
+            # a process cannot open its own CUDA IPC handles
+            raise ValueError("weight_sync ipc needs the vLLM engine in its own process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default)")
         engine_procs = [q for p in self.procs for q in (p, *_descendants(p))] if keep_out else []
         for where in _unprotected(engine_procs):
             log.warning("vLLM engine %s: a SIGTERM from SLURM would stop it under the "
@@ -227,40 +320,90 @@ class VllmEngine:
                                 f"{len(outputs)} requests)")
         return [self._generation(out.outputs[0]) for out in outputs]
 
-    def update_weights(self, state_dict: dict) -> None:
-        """Copy the trainer's weights (HF names, full tensors) into the running model.
+    def update_weights(self, state_dict: dict) -> int:
+        """Copy the trainer's weights (HF names, full tensors) into the running model; returns
+        the bytes the transfer copied on its way (engine/sync_bytes; module docstring).
 
         The state dict must be complete, as the trainer's full state dict is: vLLM keeps the
         old weights of a layer none of whose tensors are given (with a warning), and a layer
         given only some of them (q_proj without k_proj, say) would be processed half-loaded.
         """
-        if self.asleep:
-            raise RuntimeError("update_weights while asleep: call wake() first")
+        if "weights" in self.sleeping:
+            raise RuntimeError("update_weights while the weights sleep: call "
+                               "wake(('weights',)) first")
+        copied = 0
         with self._stopping_without_engine("the weight update"):
-            for chunk in _chunks(state_dict, self.weight_chunk_bytes):
-                buf = io.BytesIO()
-                torch.save({k: _own_storage(v) for k, v in chunk.items()}, buf)
-                self._call("weight update", self.llm.collective_rpc, "a2tgpo_receive_weights",
-                           args=(buf.getvalue(),))
-            self._call("weight update", self.llm.collective_rpc, "a2tgpo_apply_weights")
+            if self.weight_sync == "ipc":
+                copied = self._send_handles(state_dict)
+            else:
+                copied = self._send_bytes(state_dict)
             # cached KV blocks were computed with the old weights
             self._call("weight update", self.llm.reset_prefix_cache)
+            self.weights_dropped = False
+        return copied
+
+    def _send_bytes(self, state_dict: dict) -> int:
+        """`weight_sync: bytes`: torch.save'd chunks as RPC arguments."""
+        for chunk in _chunks(state_dict, self.weight_chunk_bytes):
+            buf = io.BytesIO()
+            torch.save({k: _own_storage(v) for k, v in chunk.items()}, buf)
+            self._call("weight update", self.llm.collective_rpc, "a2tgpo_receive_weights",
+                       args=(buf.getvalue(),))
+        self._call("weight update", self.llm.collective_rpc, "a2tgpo_apply_weights")
+        return sum(t.numel() * t.element_size() for t in state_dict.values())
+
+    def _send_handles(self, state_dict: dict) -> int:
+        """`weight_sync: ipc`: handles to the tensors' memory as one RPC argument; the
+        tensors stay alive (the caller's dict) until every worker has reloaded and dropped
+        its mappings, which is when the RPC returns."""
+        from a2tgpo.rollout.weight_handles import pack
+
+        packed = pack(state_dict)
+        try:
+            self._call("weight update", self.llm.collective_rpc, "a2tgpo_load_shared",
+                       args=(packed.payload, packed.cuda_uuid))
+        finally:
+            if packed.cuda_uuid is not None:
+                torch.cuda.ipc_collect()  # the workers' released IPC references
+        return packed.copied
 
     def sleep(self) -> None:
+        """Free the engine's device memory: its KV cache, and its weights, to host memory
+        (level 1, weight_sync bytes) or dropped (level 2, weight_sync ipc: every wake is
+        followed by a full update)."""
         if not self.sleep_enabled:
             log.debug("sleep(): vLLM sleep mode not enabled; nothing freed")
             return
+        level = 2 if self.weight_sync == "ipc" else 1
         with self._stopping_without_engine("sleep"):
-            self._call("sleep", self.llm.sleep, level=1)
-        self.asleep = True
+            self._call("sleep", self.llm.sleep, level=level)
+        self.sleeping = frozenset(SLEEP_TAGS)
+        self.weights_dropped = level == 2
 
-    def wake(self) -> None:
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Restore the engine's memory: `tags` of SLEEP_TAGS, None = all of it. The trainer
+        wakes ("weights",) before its update and the rest after it, so that with
+        weight_sync ipc the KV cache is not yet allocated while the update needs memory.
+        Waking the KV cache while dropped weights were not replaced is refused: the engine
+        would generate from garbage. With weight_sync bytes (level 1, which restores the saved
+        weights) any wake wakes all of it at once, as it always did."""
         if not self.sleep_enabled:
             log.debug("wake(): vLLM sleep mode not enabled; nothing to restore")
             return
+        if self.weight_sync == "bytes":
+            tags = None
+        wanted = frozenset(SLEEP_TAGS if tags is None else tags)
+        if not wanted <= frozenset(SLEEP_TAGS):
+            raise ValueError(f"wake tags {sorted(wanted)}: a subset of {SLEEP_TAGS}")
+        if "kv_cache" in wanted and self.weights_dropped and self.gone is None:
+            raise RuntimeError("wake: the weights were dropped (sleep level 2) and not "
+                               "updated since: wake(('weights',)), update_weights, then wake()")
         with self._stopping_without_engine("wake"):
-            self._call("wake", self.llm.wake_up)
-        self.asleep = False
+            if tags is None:
+                self._call("wake", self.llm.wake_up)
+            elif wanted & self.sleeping:
+                self._call("wake", self.llm.wake_up, tags=sorted(wanted))
+        self.sleeping -= wanted
 
     def weights_checksum(self) -> int | None:
         """The checksum of the weights the engine computes with, all its workers together, to

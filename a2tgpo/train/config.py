@@ -117,6 +117,13 @@ class TrainSettings:
         True, "engine vllm: release the engine's memory (vLLM sleep level 1) during the "
         "log-prob passes and the update, wake it for rollouts; a no-op where vLLM has no sleep "
         "mode (CPU).")
+    weight_sync: Literal["bytes", "ipc"] = option(
+        "bytes", "engine vllm: how each step's weights reach the engine. bytes = serialized "
+        "through host memory (several host copies of the model per rank) and sleep level 1 "
+        "(the stale weights saved to host memory and restored); ipc = handles to the "
+        "trainer's own tensors (CUDA IPC on GPU, shared memory on CPU: no copy before the "
+        "engine's load) and sleep level 2 (the weights dropped, woken before the sync, the KV "
+        "cache after it). a2tgpo/rollout/vllm_engine.py has the design.")
     offload_optimizer: bool = option(
         False, "Keep the optimizer state (DeepSpeed ZeRO-1/2: fp32 master weights, Adam "
         "moments, gradient partitions, 12-16 B x parameters / ranks; one process: the AdamW "

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 OPERATIONAL = frozenset({
     "run_dir", "results_dir", "study", "tracking", "stop_margin_s", "schedule.keep_last",
     "schedule.optimizer_states", "engine_memory_share", "engine_kv_cache_gb", "engine_sleep",
-    "offload_optimizer",
+    "weight_sync", "offload_optimizer",
 })
 # keys that may grow: a run extended to more steps goes on from where it stopped (the data
 # order's epochs are seeded one by one and the learning rate is constant after warm-up, so its

@@ -15,10 +15,11 @@ logs and checkpoints on schedule. One step, as `train_step` reads (the papers' v
      denominators, one optimizer update per mini-batch (a2tgpo/train/update.py)
   9. weights to the rollout engines: every rank's engine gets that rank's own weights
  10. metrics and rollout samples
-A vLLM engine sleeps (frees its memory) from after the rollouts until the update is done, and
-is woken for the weight sync. At each of these phase boundaries the trainer hands the memory
-it freed back to the device (a2tgpo/train/memory.py), and with train.offload_optimizer the
-optimizer state waits in host memory while the engine is awake.
+A vLLM engine sleeps (frees its memory) from after the rollouts until the update is done; its
+weights are woken for the weight sync and its KV cache after it. At each of these phase
+boundaries the trainer hands the memory it freed back to the device (a2tgpo/train/memory.py),
+and with train.offload_optimizer the optimizer state waits in host memory while the engine is
+awake.
 Nothing here is method-specific beyond reading the method's settings.
 
 Under `backend: deepspeed` every rank runs all of it: each rank (with `rollout_tp` > 1, the
@@ -290,10 +291,7 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict]]:
         with clock("offload"):
             run.backend.offload_states()
     memory.boundary("update")
-    if run.engine is not None:
-        with clock("engine_wake"):
-            run.engine.wake()
-    sync = sync_engine(run, clock)
+    sync = wake_and_sync(run, clock)
     memory.boundary("awake")
     # 10. metrics and samples
     metrics = step_metrics(run, trajs, batch, adv, update, sampling, ig_stats, clock)
@@ -695,6 +693,21 @@ def token_advantages(method: MethodConfig, batch: Batch, trajs: list[Trajectory]
 # step 9: weights to the engines
 
 
+def wake_and_sync(run: Run, clock: Clock) -> dict[str, float]:
+    """The engine back from its sleep with the new weights: a vLLM engine's weights wake
+    first, then `sync_engine`, then its KV cache, so the KV cache is not yet allocated while
+    the sync needs memory (with train.weight_sync ipc the weights were dropped, and wake
+    empty until the sync fills them). Returns `sync_engine`'s metrics."""
+    if run.engine is not None and run.cfg.engine == "vllm":
+        with clock("engine_wake"):
+            run.engine.wake(("weights",))
+    sync = sync_engine(run, clock)
+    if run.engine is not None:
+        with clock("engine_wake"):
+            run.engine.wake()
+    return sync
+
+
 def sync_engine(run: Run, clock: Clock) -> dict[str, float]:
     """Every engine-hosting rank sends its own weights to its vLLM engine (the hf engine
     samples from the trained module itself: nothing to send), then compares the engine's
@@ -702,7 +715,9 @@ def sync_engine(run: Run, clock: Clock) -> dict[str, float]:
     layout-free): an engine that kept old or wrong weights would sample from another policy,
     silently, and in bf16 the log-prob check (`engine_mismatch`) cannot tell it from rounding.
 
-    Returns engine/sync_bytes (all ranks together) and, with vLLM, engine/weights_match/rank<r>
+    Returns engine/sync_bytes, the bytes the transfers copied on their way (all ranks
+    together; train.weight_sync: bytes, the whole state dict serialized; ipc, only what had
+    to be moved into shared memory), and, with vLLM, engine/weights_match/rank<r>
     per engine-hosting rank and engine/weights_match (their minimum): 1 = the engine holds
     exactly its rank's weights. A mismatch stops training on every rank with an error naming
     the ranks: the samples would be from an unknown policy, and the newest checkpoint is from
@@ -712,8 +727,7 @@ def sync_engine(run: Run, clock: Clock) -> dict[str, float]:
     if vllm and run.engine is not None:
         with clock("weight_sync"):
             state = run.backend.local_state_dict()
-            run.engine.update_weights(state)
-            sent = float(sum(t.numel() * t.element_size() for t in state.values()))
+            sent = float(run.engine.update_weights(state))
         with clock("weight_check"):
             got = run.engine.weights_checksum()
             check = None if got is None else (state_checksum(state), got)

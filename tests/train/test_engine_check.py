@@ -24,6 +24,7 @@ class Engine:
     def update_weights(self, state):
         if self.held is None or not self.stale:
             self.held = state_checksum(state)
+        return sum(t.numel() * t.element_size() for t in state.values())  # bytes copied
 
     def weights_checksum(self):
         return None if self.gone else self.held
@@ -68,3 +69,27 @@ def test_a_stale_engine_stops_training_with_the_rank_named():
 def test_nothing_is_checked_without_an_engine_to_ask():
     out = rl.sync_engine(make_run(Engine(gone=True)), rl.Clock())
     assert out == {"engine/sync_bytes": 32.0}
+
+
+class Sleeper(Engine):
+    """Records the order of wake and update calls (tags as given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def wake(self, tags=None):
+        self.calls.append(("wake", tags))
+
+    def update_weights(self, state):
+        self.calls.append(("update", None))
+        return super().update_weights(state)
+
+
+def test_a_vllm_engine_wakes_its_weights_before_the_sync_and_its_kv_cache_after():
+    run = make_run(Sleeper())
+    clock = rl.Clock()
+    out = rl.wake_and_sync(run, clock)
+    assert run.engine.calls == [("wake", ("weights",)), ("update", None), ("wake", None)]
+    assert out["engine/weights_match"] == 1.0
+    assert {"engine_wake", "weight_sync"} <= set(clock.times)
