@@ -391,10 +391,20 @@ def run_trajectories(builders: list[TrajectoryBuilder], live: list[bool], engine
 
     A stop request is read at every pass (`check_stop`)."""
     stream = streaming(engine)
+    try:
+        _drive(builders, stream, tool, cfg, seed=seed, greedy=greedy, traj_offset=traj_offset,
+               ready=[i for i, lv in enumerate(live) if lv])
+    except BaseException:
+        stream.cancel()  # the rollout is abandoned: nothing it submitted may linger
+        raise
+
+
+def _drive(builders: list[TrajectoryBuilder], stream, tool: SearchTool, cfg: AgentConfig, *,
+           seed: int, greedy: bool, traj_offset: int, ready: list[int]) -> None:
+    """`run_trajectories`' loop."""
     stats = tool.stats
     gens: dict[int, tuple[Future, list[int], int]] = {}  # i -> (future, engine input, room)
     searches: dict[int, tuple[Future, Turn, list[int], int, float]] = {}  # + query sent at
-    ready = [i for i, lv in enumerate(live) if lv]
     busy_since: float | None = None  # a generation in flight since
 
     def after_turn(i: int, turn: Turn, engine_input: list[int], now: float) -> None:

@@ -12,7 +12,8 @@ Two implementations: `hf` (a2tgpo.rollout.hf_engine; CPU or GPU, batched, KV cac
 Requests one at a time (`Streaming`), for the per-trajectory schedule (a2tgpo.rollout.agent):
 `submit(prompt_ids, params, seed)` returns a `concurrent.futures.Future[Generation]` at once;
 `wait_any()` blocks until at least one submitted request has its result set (or returns at
-once when none is unfinished). That is the whole interface: a driver submits a trajectory's
+once when none is unfinished); `cancel()` drops every unfinished request (the driver gave up
+on them: a stop request, an error). That is the whole interface: a driver submits a trajectory's
 next turn as soon as it is ready and calls `wait_any()` when it has nothing else to do, so an
 engine may run requests as they come (vLLM: continuous batching), or batch whatever is pending
 when asked to wait (`Batching`, which runs `generate`), or advance a virtual clock to the next
@@ -99,6 +100,10 @@ class Streaming(Protocol):
         """Block until at least one unfinished request's future is set; at once if none is."""
         ...
 
+    def cancel(self) -> None:
+        """Drop every unfinished request; their futures are never set."""
+        ...
+
 
 class Batching:
     """`Streaming` over an engine that only has `generate`: requests wait until `wait_any`,
@@ -138,6 +143,9 @@ class Batching:
                 raise
             for (_, p, _, fut), g in zip(reqs, gens, strict=True):
                 fut.set_result(_cut(g, p.max_tokens))
+
+    def cancel(self) -> None:
+        self.pending = []
 
 
 def _cut(g: Generation, max_tokens: int) -> Generation:

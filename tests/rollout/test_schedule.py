@@ -59,6 +59,9 @@ class ShuffledEngine(ScriptedEngine):
         for p, params, seed, fut in done:
             fut.set_result(self.generate([p], params, [seed])[0])
 
+    def cancel(self):
+        self.cancelled, self.pending = len(self.pending), []
+
 
 def _ids(trajs):
     return [(t.group_id, t.prompt_ids,
@@ -132,7 +135,7 @@ def test_batching_runs_pending_requests_in_one_call_and_cuts_to_each_max_tokens(
     assert f2.result() == f3.result() == Generation((0, 1, 2, 3), (-0.5,) * 4, "length")
 
 
-def test_a_stop_request_ends_the_trajectory_schedule(toy_tokenizer):
+def test_a_stop_request_ends_the_trajectory_schedule_and_cancels_its_requests(toy_tokenizer):
     tok = toy_tokenizer
     engine = ShuffledEngine(tok, seeded, tok.eos_token_id, order=1)
     tool = SearchTool(FixedRetriever(), tok, TRAJ, SEARCH)
@@ -149,6 +152,8 @@ def test_a_stop_request_ends_the_trajectory_schedule(toy_tokenizer):
     finally:
         _requests.clear()
     assert engine.waits == 1
+    # the requests still pending were dropped from the engine (cancel), none left behind
+    assert engine.cancelled > 0 and engine.pending == []
 
 
 def test_stats_split_the_rollout_time(toy_tokenizer):
