@@ -21,7 +21,8 @@ data. Kinds:
 - `jaccard`: same-position vs cross-position token-set Jaccard similarity of the turns of the
   rollouts of one question (A2TGPO Figure 1, App. C.5); see `jaccard_step`.
 - `time_per_stage`: mean seconds per training step in each stage, stacked per method
-  (A2TGPO App. C.1, Figure 7).
+  (A2TGPO App. C.1, Figure 7); its note gives the rollout's engine busy share, longest
+  trajectory and search wait where the runs logged them.
 - `beta`: the β method's group averages (test set, `report.metric` ×100) against β, with the
   reference methods as horizontal lines (A2TGPO Figure 9).
 - `clip_by_turn`: the β method's clip fraction at each turn position in the updates after
@@ -592,6 +593,28 @@ def _jaccard(w: _Writer, backbone: str, cells: list[Cell]) -> None:
     w.save(fig, backbone, "jaccard")
 
 
+# the rollout's own numbers (a2tgpo/train/rl.py ROLLOUT_TIMES), printed under the bars: how
+# much of the rollout stage the engine worked, and what the trajectories waited for
+_ROLLOUT_NOTE = (("rollout/engine_busy", "engine busy {:.0%}"),
+                 ("rollout/longest_trajectory_s", "longest trajectory {:.1f} s"),
+                 ("rollout/search_wait_s", "search wait {:.1f} s per trajectory"))
+
+
+def _rollout_note(cfg: ReportConfig, cells: dict[str, list[Cell]]) -> str | None:
+    """Per method, the mean over steps and seeds of each `_ROLLOUT_NOTE` metric it logged."""
+    parts = []
+    for m, cs in cells.items():
+        said = []
+        for key, fmt in _ROLLOUT_NOTE:
+            per_seed = [list(series(c.metrics() or [], key).values()) for c in cs]
+            means = [statistics.fmean(v) for v in per_seed if v]
+            if means:
+                said.append(fmt.format(statistics.fmean(means)))
+        if said:
+            parts.append(f"{cfg.method_label(m)} {', '.join(said)}")
+    return "Rollout per step (mean): " + " | ".join(parts) + "." if parts else None
+
+
 def _time_per_stage(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> None:
     cfg = w.cfg
     per_method: dict[str, dict[str, float]] = {}
@@ -632,7 +655,7 @@ def _time_per_stage(w: _Writer, backbone: str, cells: dict[str, list[Cell]]) -> 
     ax.set_title(f"Time per stage [{cfg.backbone_label(backbone)}]")
     ax.grid(alpha=0.3, axis="y")
     _legend_right(ax, *[list(reversed(x)) for x in ax.get_legend_handles_labels()])  # as stacked
-    w.save(fig, backbone, "time_per_stage")
+    w.save(fig, backbone, "time_per_stage", note=_rollout_note(cfg, cells))
 
 
 def _group_value(cfg: ReportConfig, cell: Cell, group: str) -> float | None:

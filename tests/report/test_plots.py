@@ -235,3 +235,23 @@ def test_corrupt_metrics_is_an_error_naming_the_line(make_cell, tmp_path, capsys
     (cell / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
     assert cli_main(["plots", "--runs", str(make_cell.runs), "--out", str(tmp_path / "p")]) == 1
     assert "metrics.jsonl:1: not valid JSON" in capsys.readouterr().err
+
+
+def test_time_per_stage_notes_the_rollout_numbers(make_cell, tmp_path):
+    # GRPO's two seeds log engine_busy 0.5 and 0.7 at every step (mean 60%), longest
+    # trajectory 10 s and 14 s (12.0 s), search wait 1 s and 2 s (1.5 s); IGPO logs none
+    def timed(seed):
+        return [{**r, "rollout/engine_busy": 0.5 + 0.2 * seed,
+                 "rollout/longest_trajectory_s": 10.0 + 4 * seed,
+                 "rollout/search_wait_s": 1.0 + seed} if "time/step" in r else r
+                for r in metrics(0.0)]
+
+    for seed in (0, 1):
+        make_cell("qwen3-4b", "grpo", "0", seed, metrics=timed(seed))
+    make_cell("qwen3-4b", "igpo", "0", 0, metrics=metrics(0.0))
+    write_plots(ReportConfig(), discover_cells(make_cell.runs), tmp_path)
+    notes = {e["kind"]: e.get("note") for e in
+             json.loads((tmp_path / "index.json").read_text())["plots"]}
+    assert notes["time_per_stage"] == (
+        "Rollout per step (mean): GRPO engine busy 60%, longest trajectory 12.0 s, "
+        "search wait 1.5 s per trajectory.")
