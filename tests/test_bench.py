@@ -86,3 +86,31 @@ def test_retrieval_load_runs_quick():
                      r"too many queries -> 413 x2, topk 10\*\*9 -> 422 x2", out.stdout), out.stdout
     ratio = float(table["small p99 with large ones present: unsplit / split"])
     assert math.isfinite(ratio) and ratio > 0, out.stdout
+
+
+def test_step_time_runs_quick():
+    """bench/step_time.py --quick (~2 s): the table's stages for both schedules, the
+    per-trajectory rollout as a ratio to waves, and the Fig. 7 calibration lines."""
+    out = subprocess.run([sys.executable, "bench/step_time.py", "--quick"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("H20 ")]
+    assert [(r[2], r[3]) for r in rows] == [("grpo", "waves"), ("grpo", "trajectory"),
+                                            ("a2tgpo", "waves"), ("a2tgpo", "trajectory")]
+    for r in rows:
+        stages = [float(x) for x in r[4:10]]  # rollout ... other
+        assert all(math.isfinite(x) and x >= 0 for x in stages) and stages[0] > 0, r
+        assert float(r[10]) == pytest.approx(sum(stages), abs=1), r  # total
+        assert 0 < float(r[11]) <= 1, r  # the engine's busy share
+    # the trajectory rows carry their rollout's ratio to the waves row above them
+    for waves, traj in zip(rows[::2], rows[1::2], strict=True):
+        assert float(traj[-1]) == pytest.approx(float(traj[4]) / float(waves[4]), abs=0.01)
+    cal = re.findall(r"^  (grpo|a2tgpo)\s+(total|rollout|ig)\s+model\s+(\d+) s\s+paper\s+(\d+) s"
+                     r"\s+error ([+-]\d+)%", out.stdout, re.M)
+    assert [(m, k, p) for m, k, _, p, _ in cal] == [
+        ("grpo", "total", "511"), ("grpo", "rollout", "262"), ("a2tgpo", "total", "525"),
+        ("a2tgpo", "rollout", "176"), ("a2tgpo", "ig", "164")], out.stdout
+    for _, _, model, paper, err in cal:  # model and paper printed rounded: within 1 point
+        assert abs(int(err) - (int(model) / int(paper) - 1) * 100) <= 1, out.stdout
+    assert re.search(r"^calibration error: largest \d+%, mean \d+% \(goal <= 25%\)$",
+                     out.stdout, re.M), out.stdout
