@@ -1077,9 +1077,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", dest="train_mfu", type=float,
                    help="assumed model-FLOPs utilisation of the training passes")
     p.add_argument("--peak-tflops", dest="peak_tflops", type=float,
-                   help="the GPU's dense bf16 peak, TFLOP/s")
-    p.add_argument("--rollout-tokens-per-s", dest="rollout_tokens_per_s_8b", type=float,
-                   help="assumed vLLM generation tokens/s per GPU for an 8B model")
+                   help="the GPU's dense bf16 peak, TFLOP/s (default: train.gpu_model's)")
+    p.add_argument("--shape", choices=["grpo", "a2tgpo"],
+                   help="the simulated rollouts' lengths (a2tgpo/timing.py SHAPES; default "
+                   "grpo: maxima at the response budget)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(

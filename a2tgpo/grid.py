@@ -98,6 +98,9 @@ class GridConfig:
                 raise InvalidKey(f"sets.{name}", error)
 
 
+GPU_SPEC_KEYS = ("hbm_tb_s", "bf16_tflops", "step_overhead_ms")  # a2tgpo.timing.gpu_spec's
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSection(TrainSettings):
     """The study config's `train:` section: the TrainSettings every cell's TrainConfig starts
@@ -137,6 +140,20 @@ class TrainSection(TrainSettings):
     gpu_memory_gb: float = option(
         80.0, "Memory of one GPU of the training nodes, GiB (nvidia-smi's total / 1024): what "
         "`a2tgpo plan` and the DAG check each cell's per-rank plan against.", gt=0)
+    gpu_model: Literal["h20", "h100", "h200", "a100"] = option(
+        "h100", "The training nodes' GPU, for `a2tgpo plan`'s step time (GPU-hours, the train "
+        "rule's retries): its HBM bandwidth, bf16 peak and per-step overhead "
+        "(a2tgpo/timing.py GPUS: h20, h100 = H100 SXM, h200, a100 = A100 SXM 80GB).")
+    gpu_spec: dict[str, float] = option(
+        doc="An explicit spec replacing the named GPU's numbers, any of: hbm_tb_s (TB/s), "
+        "bf16_tflops (dense), step_overhead_ms (per engine step), e.g. {hbm_tb_s: 3.9}.",
+        factory=dict, gt=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in self.gpu_spec:
+            if key not in GPU_SPEC_KEYS:
+                raise InvalidKey(f"gpu_spec.{key}", f"one of {', '.join(GPU_SPEC_KEYS)}")
 
 
 @dataclass(frozen=True)

@@ -242,3 +242,46 @@ def test_an_external_server_costs_the_jobs_nothing_and_a_file_on_disk_beats_the_
     rollout = {t.name: t.bytes for t in plan.phases["rollout"]}
     assert rollout["retrieval server: index shard"] == 16 * GIB / 2 / 8
     assert {t.name: t.bytes for t in plan.host}["retrieval server: index"] == 16 * GIB
+
+
+def test_the_step_time_is_the_timing_model_on_the_configured_gpu():
+    """A cell's seconds per step: a2tgpo/timing.py's rollouts of the step (the cell's schedule,
+    engine share) + its validation's share + the passes (KL: a reference pass; IG: the fused
+    pass) + the rest, on train.gpu_model; GPU-hours = steps x that x GPUs."""
+    from a2tgpo import timing
+    from a2tgpo.study import resolve_cell, study_cells
+
+    cell = "backbone~qwen3-4b/data~multi_hop/method~grpo/beta~0/seed~1"
+    for gpu, overrides in (("h20", ()), ("h100", ("train.gpu_model=h100",)),
+                           ("h20", ("train.rollout.schedule=trajectory",))):
+        study = load_study(PAPER, ["grid.sets.main.backbones=[qwen3-4b]", *overrides])
+        plan = {p.cell: p for p in plan_study(study, ["main"])}[cell]
+        cfg = next(cfg for c in study_cells(study)["main"]
+                   if (cfg := resolve_cell(study, c.path)).cell == cell)
+        spec = timing.GPUS[gpu]
+        model = timing.ModelCost.of(cfg.backbone.architecture, 4_022_468_096)
+        shape = timing.SHAPES["grpo"]
+        step = timing.simulate_step(spec, model, shape, prompts=64, n=16, ranks=8,
+                                    agent_cfg=cfg.rollout, schedule=cfg.rollout.schedule,
+                                    memory_share=0.58)
+        val = timing.simulate_step(spec, model, shape, prompts=500, n=1, ranks=8,
+                                   agent_cfg=cfg.rollout, schedule=cfg.rollout.schedule,
+                                   memory_share=0.58)
+        passes = timing.training_seconds(model, step.lengths, step.prefixes, gpu=spec, gpus=8,
+                                         mfu=0.4, reference=True, ig=None)
+        want = step.seconds + val.seconds / 20 + sum(passes.values()) + timing.OTHER_S
+        assert plan.step_s == pytest.approx(want, rel=1e-9), gpu
+        assert plan.gpu_hours == pytest.approx(240 * want * 8 / 3600), gpu
+        assert plan.gpu == spec.name
+
+
+def test_an_explicit_gpu_spec_and_an_unknown_key():
+    only_4b = "grid.sets.main.backbones=[qwen3-4b]"
+    base = {p.cell: p.step_s for p in _paper_plans(only_4b, sets=["main"])}
+    faster = {p.cell: p.step_s for p in _paper_plans(
+        only_4b, "train.gpu_spec={bf16_tflops: 989}", sets=["main"])}
+    # an H20 with an H100's compute: every GPU cell's passes (and compute-bound steps) faster
+    assert all(faster[c] < base[c] for c in base if base[c] is not None)
+    with pytest.raises(ConfigError, match="gpu_spec.hbm: one of hbm_tb_s, bf16_tflops, "
+                                          "step_overhead_ms"):
+        load_study(PAPER, ["train.gpu_spec={hbm: 3}"])
