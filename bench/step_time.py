@@ -125,6 +125,12 @@ def main() -> None:
                   f"error {err:+.0%}")
     print(f"calibration error: largest {max(errors):.0%}, mean {sum(errors) / len(errors):.0%} "
           f"(goal <= 25%)")
+    if max(errors) > 0.25:
+        print("  the gap, what the model leaves out: the papers' engine's per-step overhead "
+              "(verl's vLLM version and settings are not stated; see the fit below); Fig. 7 "
+              "averages over training, A2TGPO's first ~50 steps at ~6,000-token maxima; IGPO's "
+              "per-prefix rows right-padded in micro-batches (padding not counted here); "
+              "the passes' MFU (an assumption, --mfu)")
     if a.quick:
         return
     # the one engine number the papers' stack does not state: what per-step overhead would make
