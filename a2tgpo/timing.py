@@ -404,7 +404,7 @@ MULTI_HOP_CALLS = (0.025, 0.03, 0.20, 0.27, 0.25, 0.12, 0.105)
 SHAPES = {
     "grpo": TrajectoryShape("grpo", MULTI_HOP_CALLS, 300.0, 0.9,
                             source="Fig. 8: GRPO's maxima at the 6,192 limit"),
-    "a2tgpo": TrajectoryShape("a2tgpo", MULTI_HOP_CALLS, 260.0, 0.62,
+    "a2tgpo": TrajectoryShape("a2tgpo", MULTI_HOP_CALLS, 250.0, 0.5,
                               source="Fig. 8: A2TGPO's maxima ~4,000 after step ~50"),
 }
 
