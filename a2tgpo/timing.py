@@ -399,12 +399,13 @@ class TrajectoryShape:
 # A2TGPO App. C.4 (validation, step 240, multi-hop): 3.45 calls on average, 72% use 2-4, 2.5%
 # none; the rest spread so that the mean holds (max_tool_calls 6)
 MULTI_HOP_CALLS = (0.025, 0.03, 0.20, 0.27, 0.25, 0.12, 0.105)
-# turn lengths fitted to A2TGPO Fig. 8's maxima over a step's 1,024 responses, not to any time:
-# GRPO's reach the 6,192-token budget (~1% of a step's responses cut), A2TGPO's fall to ~4,000
+# turn lengths fitted to A2TGPO Fig. 8's maxima over a step's 1,024 responses (observations
+# included), not to any time: GRPO's reach the 6,192-token budget (~0.8% of a step's responses
+# cut), A2TGPO's fall to ~4,000 (4,000-4,130 over seeds)
 SHAPES = {
-    "grpo": TrajectoryShape("grpo", MULTI_HOP_CALLS, 300.0, 0.9,
+    "grpo": TrajectoryShape("grpo", MULTI_HOP_CALLS, 200.0, 0.9,
                             source="Fig. 8: GRPO's maxima at the 6,192 limit"),
-    "a2tgpo": TrajectoryShape("a2tgpo", MULTI_HOP_CALLS, 250.0, 0.5,
+    "a2tgpo": TrajectoryShape("a2tgpo", MULTI_HOP_CALLS, 120.0, 0.45,
                               source="Fig. 8: A2TGPO's maxima ~4,000 after step ~50"),
 }
 
@@ -415,6 +416,7 @@ class SimTokenizer:
     encodes observations, never re-encodes what was sampled)."""
 
     FILLER = "w"
+    ASSISTANT = "<|assistant|>"  # ends the chat template: the response starts after it
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -437,7 +439,7 @@ class SimTokenizer:
         return " ".join(self.words[i] for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
-        return " ".join(m["content"] for m in messages) + " <|assistant|>"
+        return " ".join(m["content"] for m in messages) + " " + self.ASSISTANT
 
 
 class SimRetriever:
@@ -485,6 +487,7 @@ class SimEngine:
         self.finished: dict[int, float] = {}
         self.submitted: dict[int, float] = {}
         self._close = tok.id("</search>")
+        self._turns = tok.id(SimTokenizer.ASSISTANT)
         self._unfinished = 0
         self._any: _Waiter | None = None
 
@@ -492,7 +495,7 @@ class SimEngine:
         from a2tgpo.rollout.engine import Generation
 
         rng = random.Random(seed)
-        calls = prompt.count(self._close)
+        calls = self._response(prompt).count(self._close)
         p = self.shape.calls
         answer = calls >= len(p) - 1 or rng.random() < p[calls] / sum(p[calls:])
         n = max(4, round(rng.lognormvariate(math.log(self.shape.turn_median),
@@ -505,11 +508,17 @@ class SimEngine:
         ids = [self.tok.id(SimTokenizer.FILLER)] * (n - 3) + [self.tok.id(w) for w in tail]
         return Generation(tuple(ids), (-1.0,) * n, "stop", tail[-1])
 
+    def _response(self, prompt: list[int]) -> list[int]:
+        """What follows the chat template's generation prompt: the turns so far (the system
+        prompt itself names the tags)."""
+        return prompt[len(prompt) - prompt[::-1].index(self._turns):]
+
     def _uncached(self, prompt: list[int]) -> int:
         """Prefill tokens under prefix caching: after the sequence's last action (its KV stays
         cached), or the whole question the first time a group's prompt is seen."""
-        if self._close in prompt:
-            return prompt[::-1].index(self._close)
+        response = self._response(prompt)
+        if self._close in response:
+            return response[::-1].index(self._close)
         key = tuple(prompt)
         if key in self._seen_prompts:
             return 1

@@ -137,10 +137,11 @@ def main() -> None:
     print(f"calibration error: largest {max(errors):.0%}, mean {sum(errors) / len(errors):.0%} "
           f"(goal <= 25%)")
     if max(errors) > 0.25:
-        print("  the gap, what the model leaves out: the papers' engine's per-step overhead "
-              "(verl's vLLM version and settings are not stated; see the fit below); IGPO's "
-              "per-prefix rows right-padded in micro-batches (padding not counted here); "
-              "the passes' MFU (an assumption, --mfu)")
+        print("  the gap is generation's: the papers' engine's per-step overhead is not stated "
+              "(verl's vLLM version and settings; see the fit below), and A2TGPO's generation "
+              "is 0.67 of GRPO's in Fig. 7 against the model's ~0.43 from Fig. 8's maxima alone "
+              "(more calls or longer turns below the maxima would close it; Fig. 8 gives no "
+              "means)")
     if a.quick:
         return
     # the one engine number the papers' stack does not state: what per-step overhead would make

@@ -144,3 +144,25 @@ def test_training_passes_by_hand():
     probes = 2 * 30 * (2 * m.params + 4 * 36 * 4096 * 1000) \
         + 30 * (2 * m.params + 4 * 36 * 4096 * 2000)
     assert fused["ig"] == pytest.approx((full + probes) / rate)
+
+
+def test_simulated_trajectories_follow_their_shape():
+    """The simulated policy's tool calls per answer follow MULTI_HOP_CALLS (A2TGPO App. C.4:
+    mean 0.03 + 2 x 0.20 + 3 x 0.27 + 4 x 0.25 + 5 x 0.12 + 6 x 0.105 = 3.47, 72% at 2-4, 2.5%
+    none) and its turns the shape's median, over 1,024 trajectories with room for all."""
+    builders: list = []
+    timing.simulate_rank(TICK, _qwen3_4b(), timing.SHAPES["a2tgpo"], questions=64, n=16,
+                         agent_cfg=AgentConfig(max_turn_tokens=50_000,
+                                               max_response_tokens=50_000),
+                         out=builders)
+    calls = [sum(t.stop == "search" for t in b.turns) for b in builders]
+    assert all(b.turns[-1].stop == "answer" for b in builders)
+    # sampling error of a mean of 1,024 (sd ~1.3): ~0.04
+    assert sum(calls) / len(calls) == pytest.approx(3.47, abs=0.15)
+    assert sum(2 <= c <= 4 for c in calls) / len(calls) == pytest.approx(0.72, abs=0.04)
+    assert sum(c == 0 for c in calls) / len(calls) == pytest.approx(0.025, abs=0.015)
+    turns = sorted(len(t.action_ids) for b in builders for t in b.turns)
+    assert turns[len(turns) // 2] == pytest.approx(120, rel=0.06)
+    # observations: U(350, 500) tokens of passages between the result tags
+    obs = [len(t.obs_ids) for b in builders for t in b.turns if t.stop == "search"]
+    assert 350 <= min(obs) - 2 and max(obs) - 2 <= 500
