@@ -216,6 +216,34 @@ class VirtualEngine:
     def idle_until(self, t: float) -> None:
         self.now = max(self.now, t)
 
+    def advance(self, until: float) -> list[_Req]:
+        """Steps while the clock is before `until`, until one finishes a request (returned).
+
+        Steps in which only decoding happens (nothing can be admitted, nothing prefills or
+        ends, the cache does not overflow) differ only in their growing KV: they are summed
+        here without the bookkeeping of `step`, with the same costs."""
+        if self._decoding and not self._prefilling and self._finish and (
+                not self._waiting or self._kv + self._waiting[0].ctx + 1 > self.capacity
+                or len(self._decoding) >= self.max_seqs):
+            g, m = self.gpu, self.model
+            n, kv, kvd, t = len(self._decoding), self._kv, self._kv_decoding, self.now
+            bw, peak = g.hbm_bytes_per_s * MEM_EFFICIENCY, g.bf16_flops * COMPUTE_EFFICIENCY
+            w, kvb, attn = m.weight_bytes, m.kv_bytes_per_token, 4 * m.layers * m.q
+            dense = 2 * m.params * n
+            free = self._finish[0][0] - self.steps  # steps before the next possible end
+            s0 = self.steps
+            while free > 0 and t < until and kv + n <= self.capacity:
+                t += max((w + kv * kvb) / bw, (dense + attn * kvd) / peak) + g.step_overhead_s
+                kv += n
+                kvd += n
+                free -= 1
+                self.steps += 1
+            self.busy_s += t - self.now
+            self.now, self._kv, self._kv_decoding = t, kv, kvd
+            if self.steps > s0 and (t >= until or free > 0):
+                return []
+        return self.step()
+
     def step(self) -> list[_Req]:
         """One engine step; returns the requests it finished."""
         budget = self.max_batched - len(self._decoding)
@@ -361,7 +389,7 @@ class VirtualClock:
             t_timer = self._timers[0][0] if self._timers else math.inf
             released = False
             if eng.has_work and eng.now < t_timer:
-                for r in eng.step():
+                for r in eng.advance(t_timer):
                     released |= r.on_done(r)
             elif self._timers:
                 eng.idle_until(t_timer)
@@ -416,12 +444,14 @@ class SimTokenizer:
     encodes observations, never re-encodes what was sampled)."""
 
     FILLER = "w"
+    PASSAGE = "p"  # passage text: a word of k of these letters is k tokens (no per-word cost)
     ASSISTANT = "<|assistant|>"  # ends the chat template: the response starts after it
 
     def __init__(self):
         self._lock = threading.Lock()
         self.words = ["<pad>", "<search>", "</search>", "<answer>", "</answer>", self.FILLER]
         self.ids = {w: i for i, w in enumerate(self.words)}
+        self._passage = self.id(self.PASSAGE)
 
     def id(self, word: str) -> int:
         i = self.ids.get(word)
@@ -433,10 +463,16 @@ class SimTokenizer:
         return i
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [self.id(w) for w in text.split()]
+        get, out = self.ids.get, []
+        for w in text.split():
+            if w[0] == self.PASSAGE and w == self.PASSAGE * len(w):
+                out += [self._passage] * len(w)  # a run of k passage letters: k tokens
+            else:
+                out.append(i if (i := get(w)) is not None else self.id(w))
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(self.words[i] for i in ids)
+        return " ".join(map(self.words.__getitem__, ids))
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kw):
         return " ".join(m["content"] for m in messages) + " " + self.ASSISTANT
@@ -462,7 +498,7 @@ class SimRetriever:
             rng = random.Random(f"obs {q}")
             words = rng.randint(*self.shape.obs_tokens) - 2 * topk  # "Page i:" per passage
             per = [words // topk + (i < words % topk) for i in range(topk)]
-            out.append([Hit(f"{q}-{i}", f"t{i}{q}\n" + " ".join(["p"] * (n - 1)), 1.0)
+            out.append([Hit(f"{q}-{i}", f"t{i}{q}\n" + SimTokenizer.PASSAGE * (n - 1), 1.0)
                         for i, n in enumerate(per)])
         self.sleep(latency)
         return out
@@ -511,7 +547,7 @@ class SimEngine:
     def _response(self, prompt: list[int]) -> list[int]:
         """What follows the chat template's generation prompt: the turns so far (the system
         prompt itself names the tags)."""
-        return prompt[len(prompt) - prompt[::-1].index(self._turns):]
+        return prompt[prompt.index(self._turns) + 1:]
 
     def _uncached(self, prompt: list[int]) -> int:
         """Prefill tokens under prefix caching: after the sequence's last action (its KV stays
