@@ -2,6 +2,7 @@
 trajectories by hand under both schedules, and the FLOPs of the training passes."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -166,3 +167,26 @@ def test_simulated_trajectories_follow_their_shape():
     # observations: U(350, 500) tokens of passages between the result tags
     obs = [len(t.obs_ids) for b in builders for t in b.turns if t.stop == "search"]
     assert 350 <= min(obs) - 2 and max(obs) - 2 <= 500
+
+
+def test_summed_decode_steps_cost_what_single_steps_cost():
+    """`advance` sums decode-only steps without their bookkeeping: on the H20 roofline, with
+    requests of other lengths arriving over time and a cache that forces a wait, it ends
+    every request at the time and step that `step` alone gives."""
+    def run(use_advance: bool):
+        eng = timing.VirtualEngine(timing.GPUS["h20"], _qwen3_4b(), kv_capacity=6000)
+        ends = {}
+        for k, (ctx, n) in enumerate([(900, 700), (1500, 40), (2000, 300), (2500, 5),
+                                      (800, 1200)]):
+            eng.add(timing._Req(ctx, ctx, n, None, k))
+        while eng.has_work:
+            for r in (eng.advance(math.inf) if use_advance else eng.step()):
+                ends[r.seq] = (r.done_at, eng.steps)
+        return ends, eng.busy_s, eng.preempted
+
+    fast, slow = run(True), run(False)
+    assert fast[0].keys() == slow[0].keys() == set(range(5))
+    for k in range(5):
+        assert fast[0][k][1] == slow[0][k][1]
+        assert fast[0][k][0] == pytest.approx(slow[0][k][0], rel=1e-12)
+    assert fast[1] == pytest.approx(slow[1], rel=1e-12) and fast[2] == slow[2]
