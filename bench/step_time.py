@@ -97,6 +97,7 @@ def main() -> None:
             + "".join(f"{s:>12}" for s in STAGES)
             + f"{'total':>8}{'busy':>6}{'longest':>9}{'search':>8}{'traj/waves':>11}")
     print(head)
+    table = {}
     for g in gpus:
         gpu = timing.GPUS[g]
         for mname in models:
@@ -108,6 +109,7 @@ def main() -> None:
                                       ranks=ranks, agent=agent, mfu=a.mfu, seed=a.seed)
                     ratio = "" if waves is None else f"{stages['rollout'] / waves:.2f}"
                     waves = waves or stages["rollout"]
+                    table[g, mname, method, schedule] = stages
                     print(f"{gpu.name:<9.8}{mname:<10}{method:<8}{schedule:<11}"
                           + "".join(f"{stages[s]:>12.1f}" for s in STAGES)
                           + f"{sum(stages.values()):>8.0f}{ro.busy_fraction:>6.2f}"
@@ -136,6 +138,12 @@ def main() -> None:
                   f"error {err:+.0%}")
     print(f"calibration error: largest {max(errors):.0%}, mean {sum(errors) / len(errors):.0%} "
           f"(goal <= 25%)")
+    if not a.quick:
+        ours = {m: table["h20", "qwen3-4b", m, "waves"] for m in PAPER}
+        print("  this code's waves (per rank, prefix cache, fused IG) on the same GPUs: "
+              + "; ".join(f"{m} {sum(st.values()):.0f} s/step, rollout {st['rollout']:.0f} s"
+                          for m, st in ours.items())
+              + f", IG {ours['a2tgpo']['ig']:.0f} s")
     if max(errors) > 0.25:
         print("  the gap is generation's: the papers' engine's per-step overhead is not stated "
               "(verl's vLLM version and settings; see the fit below), and A2TGPO's generation "
