@@ -23,15 +23,18 @@ The simulated policy (`SimEngine`) answers token-in/token-out like the hf and vL
 `a2tgpo.rollout.agent` runs unchanged on it; what it samples is drawn from stated distributions
 (`TrajectoryShape`) with the agent's per-(trajectory, turn) seed, so both schedules produce the
 same trajectories and differ only in time. Searches cost `SEARCH_BASE_S + SEARCH_PER_QUERY_S x
-queries` of virtual time per retriever call.
+queries` of virtual time per retriever call, during which the engine goes on with what it holds
+(as vLLM V1's engine core does in its own process; an engine stepped only from the agent's
+thread would idle there). `simulate_lockstep` runs the papers' stack instead: verl's waves over
+all GPUs at once, no prefix cache between turns.
 
 Training stages (FLOPs at `train_mfu` of the bf16 peak over all GPUs): a forward over a row of
 L tokens costs 2P·L + 2·layers·q·L² (causal attention); the old log-prob pass and the reference
 pass one forward each; the update 4 forwards per epoch with gradient checkpointing (forward,
 recompute, backward = 2), 3 without, over packed micro-batches (`PACKING`); the information-gain
 pass either fused with the old log-prob pass (ours: one forward over trajectory + probes) or one
-forward per (trajectory, turn) prefix (`ig_mode="per_prefix"`, IGPO's released "single-pass"
-code, which A2TGPO's Fig. 7 times).
+forward per (trajectory, turn) prefix (`ig="per_prefix"`, IGPO's released "single-pass" code,
+which A2TGPO's Fig. 7 times).
 """
 
 from __future__ import annotations
