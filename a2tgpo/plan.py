@@ -438,7 +438,7 @@ class CellPlan:
     params: int
     steps: int = 0  # RL steps of the cell (0: ReAct, nothing trained)
     step_s: float | None = None  # estimated wall time of one step (GPU cells)
-    gpu: str = ""  # the GPU of the step time
+    gpu: object = None  # the timing.GpuSpec of the step time (GPU cells)
     host: list[Term] = dataclasses.field(default_factory=list)  # the job's host memory
     mem_request: float = math.inf  # bytes: the job's mem_mb (given, or derived from `host`)
 
@@ -633,7 +633,7 @@ def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: flo
                     * assume.mean_tokens,
                     gpu_hours=hours, disk_bytes=disk_bytes(cfg, sizes, on_gpu),
                     params=sizes.params, steps=steps, step_s=step_s,
-                    gpu=gpu.name if step_s is not None else "")
+                    gpu=gpu if step_s is not None else None)
     plan.host = train_host_terms(cfg, sizes, plan.peak, on_gpu=on_gpu,
                                  ranks=world if ranks is None else ranks, nodes=nodes,
                                  server=server)
@@ -918,8 +918,12 @@ def print_plan(plans: list[CellPlan], assume: Assumptions, console=None,
     console.print(f"{fit} of {len(plans)} cells fit; checkpoint disk for the grid "
                   f"{sum(p.disk_bytes for p in plans) / GIB:,.0f} GiB"
                   + (f"; {sum(hours):,.0f} GPU-hours on "
-                     f"{', '.join(sorted({p.gpu for p in plans if p.gpu}))} (estimate)"
+                     f"{', '.join(sorted({p.gpu.name for p in plans if p.gpu}))} (estimate)"
                      if hours else ""))
+    for g in dict.fromkeys(p.gpu for p in plans if p.gpu):
+        console.print(f"step time on {g.name}: {g.hbm_bytes_per_s / 1e12:g} TB/s, "
+                      f"{g.bf16_flops / 1e12:g} TFLOP/s bf16, {g.step_overhead_s * 1e3:g} ms per "
+                      f"engine step ({g.source or 'train.gpu_spec'})")
     console.print("assumptions: " + ", ".join(
         f"{f.name}={v:g}" if isinstance(v, float) else f"{f.name}={v}"
         for f in dataclasses.fields(assume) if (v := getattr(assume, f.name)) is not None)

@@ -119,7 +119,10 @@ def gpu_spec(name: str, hbm_tb_s: float | None = None, bf16_tflops: float | None
                                  ("bf16_flops", bf16_tflops and bf16_tflops * 1e12),
                                  ("step_overhead_s", step_overhead_ms and step_overhead_ms / 1e3),
                                  ("memory_gib", memory_gib)) if v}
-    return dataclasses.replace(spec, **changes) if changes else spec
+    if not changes:
+        return spec
+    return dataclasses.replace(spec, **changes, source=f"{spec.source}; replaced: "
+                               + ", ".join(changes))
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,7 @@ def test_the_step_time_is_the_timing_model_on_the_configured_gpu():
         want = step.seconds + val.seconds / 20 + sum(passes.values()) + timing.OTHER_S
         assert plan.step_s == pytest.approx(want, rel=1e-9), gpu
         assert plan.gpu_hours == pytest.approx(240 * want * 8 / 3600), gpu
-        assert plan.gpu == spec.name
+        assert plan.gpu == spec
 
 
 def test_an_explicit_gpu_spec_and_an_unknown_key():
