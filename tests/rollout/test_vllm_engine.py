@@ -213,3 +213,51 @@ def test_chunks_respect_the_byte_budget():
     sd = {f"w{i}": torch.zeros(10) for i in range(5)}  # 40 bytes each
     assert [list(c) for c in _chunks(sd, 100)] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
     assert [list(c) for c in _chunks({"big": torch.zeros(100)}, 8)] == [["big"]]
+
+
+def test_submitted_requests_give_what_generate_gives(engine, prompts):
+    """The Streaming path (submit + wait_any: requests added to the running engine one at a
+    time) samples what one generate call samples, prompt for prompt and seed for seed."""
+    params = SamplingParams(max_tokens=20)
+    ref = engine.generate(prompts, params, seeds=[11, 12, 13])
+    futs = [engine.submit(p, params, s) for p, s in zip(prompts, [11, 12, 13], strict=True)]
+    waits = 0
+    while not all(f.done() for f in futs):
+        engine.wait_any()
+        waits += 1
+    got = [f.result() for f in futs]
+    assert [g.token_ids for g in got] == [g.token_ids for g in ref]
+    for g, r in zip(got, ref, strict=True):
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-5)
+        assert (g.stop_reason, g.stop_string) == (r.stop_reason, r.stop_string)
+    assert 1 <= waits <= 3 and not engine._in_flight
+
+
+def test_cancel_leaves_nothing_for_the_next_call(engine, prompts):
+    params = SamplingParams(max_tokens=50)
+    futs = [engine.submit(p, params, 5) for p in prompts]
+    engine.cancel()
+    assert not engine._in_flight and not any(f.done() for f in futs)
+    out = engine.generate(prompts[:1], SamplingParams(max_tokens=5), seeds=[1])
+    assert len(out) == 1  # no output of a cancelled request came back with it
+
+
+def test_a_rollout_per_trajectory_is_the_rollout_in_waves(engine, backbone):
+    import dataclasses
+
+    from conftest import FixedRetriever
+
+    from a2tgpo.retrieval.retriever import RetrievalConfig
+    from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool, rollout_chains
+
+    tok = backbone[1]
+    waves = AgentConfig(max_turn_tokens=8, max_response_tokens=120, max_obs_tokens=20,
+                        on_invalid="retry")
+    out = {}
+    for cfg in (waves, dataclasses.replace(waves, schedule="trajectory")):
+        tool = SearchTool(FixedRetriever(), tok, cfg, RetrievalConfig())
+        out[cfg.schedule] = rollout_chains([Question("q", "Who directed Foo", ("Bar",))], 6,
+                                           engine, tool, cfg, seed=3)
+    for a, b in zip(out["trajectory"], out["waves"], strict=True):
+        assert [x.action_ids for x in a.turns] == [x.action_ids for x in b.turns]
+        assert [x.obs_ids for x in a.turns] == [x.obs_ids for x in b.turns]
