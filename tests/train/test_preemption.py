@@ -33,6 +33,7 @@ from a2tgpo.train.preemption import (
     check_stop,
     job_end_time,
 )
+from a2tgpo.train.rl import ROLLOUT_TIMES
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,9 @@ STEPS = 5
 SCHEDULE = ScheduleConfig(steps=STEPS, prompts_per_step=2, mini_batch_prompts=1,
                           micro_batch_size=4, eval_every=2, eval_questions=4, save_every=10,
                           keep_last=10)
+
+# the rollout's wall-clock numbers (rl.ROLLOUT_TIMES), like time/*
+ROLLOUT_WALL_CLOCK = tuple(f"rollout/{k}" for k in ROLLOUT_TIMES)
 
 
 def _config(toy_train_config, run_dir, **kw):
@@ -63,7 +67,8 @@ def _rows(run_dir):
     for row in read_metrics(run_dir):
         rows.setdefault(row["step"], {}).update(
             {k: v for k, v in row.items()
-             if k != "time" and not k.startswith(("time/", "throughput/", "val/seconds"))})
+             if k != "time" and not k.startswith(("time/", "throughput/", "val/seconds",
+                                           *ROLLOUT_WALL_CLOCK))})
     return rows
 
 

@@ -25,11 +25,15 @@ from a2tgpo.lock import holder
 from a2tgpo.tracking import read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 from a2tgpo.train.config import ScheduleConfig
+from a2tgpo.train.rl import ROLLOUT_TIMES
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 KILL_AFTER = 2  # steps saved before the kill (a checkpoint every step)
+
+# the rollout's wall-clock numbers (rl.ROLLOUT_TIMES), like time/*
+ROLLOUT_WALL_CLOCK = tuple(f"rollout/{k}" for k in ROLLOUT_TIMES)
 
 
 def _command(cfg_path):
@@ -54,7 +58,8 @@ def _step_rows(run_dir):
     for row in read_metrics(run_dir):
         rows[row["step"]] = {k: v for k, v in row.items()
                              if k != "time" and not k.startswith(("time/", "throughput/",
-                                                                  "val/seconds"))}
+                                                                  "val/seconds",
+                                           *ROLLOUT_WALL_CLOCK))}
     return rows
 
 

@@ -44,12 +44,15 @@ from a2tgpo.tracking import read_metrics  # noqa: E402
 from a2tgpo.train.checkpoint import COMPLETE, latest_checkpoint  # noqa: E402
 from a2tgpo.train.config import ScheduleConfig  # noqa: E402
 from a2tgpo.train.preemption import EXIT_PREEMPTED  # noqa: E402
-from a2tgpo.train.rl import train  # noqa: E402
+from a2tgpo.train.rl import ROLLOUT_TIMES, train  # noqa: E402
 from a2tgpo.train.update import token_logprobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 PROBE = "Who directed The Silent Harbor? <search> film director </search>"
+
+# the rollout's wall-clock numbers (rl.ROLLOUT_TIMES), like time/*
+ROLLOUT_WALL_CLOCK = tuple(f"rollout/{k}" for k in ROLLOUT_TIMES)
 
 
 def _free_port() -> int:
@@ -234,7 +237,8 @@ def _logged(run_dir: Path) -> dict[int, dict]:
         assert not again, f"step {row['step']}: {sorted(again)[:5]} logged twice"
         steps[row["step"]].update(values)
     return {step: {k: v for k, v in values.items()
-                   if not k.startswith(("time/", "throughput/", "val/seconds"))}
+                   if not k.startswith(("time/", "throughput/", "val/seconds",
+                                           *ROLLOUT_WALL_CLOCK))}
             for step, values in steps.items()}
 
 
