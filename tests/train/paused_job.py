@@ -8,7 +8,8 @@ the trainer's signal handler has recorded a stop request, then goes on as `a2tgp
 <step> is the step being made, numbered as the log numbers steps (the first is 1). Phases:
 
   rollout  in the step's first rollout wave, after its stop check, as vLLM's generate starts
-           (`LLM.generate`): the engine is asked for the wave after the signal. (Inside the
+           (`LLM.generate`; per trajectory: the first `VllmEngine.submit`): the engine is
+           asked for the wave (the first request) after the signal. (Inside the
            engine's own work the moment could not be pinned: the toy's requests are done
            within milliseconds, before a signal sent on the marker lands.)
   update   before the step's policy update (after its rollouts and log-prob passes)
@@ -61,15 +62,21 @@ def _install(phase: str, step: int) -> None:
     elif phase == "rollout":
         from vllm import LLM
 
-        generate, paused = LLM.generate, []
+        from a2tgpo.rollout.vllm_engine import VllmEngine
 
-        def paused_generate(self, *args, **kwargs):
-            if making["step"] == step and not paused:
-                paused.append(True)
-                _pause(phase)
-            return generate(self, *args, **kwargs)
+        paused = []
 
-        LLM.generate = paused_generate
+        def pausing(call):
+            def paused_call(self, *args, **kwargs):
+                if making["step"] == step and not paused:
+                    paused.append(True)
+                    _pause(phase)
+                return call(self, *args, **kwargs)
+            return paused_call
+
+        # a wave asks `LLM.generate`; the per-trajectory schedule submits one request at a time
+        LLM.generate = pausing(LLM.generate)
+        VllmEngine.submit = pausing(VllmEngine.submit)
     else:
         raise ValueError(f"A2TGPO_PAUSE: unknown phase {phase!r} (rollout or update)")
 
