@@ -64,6 +64,10 @@ def test_two_updates_change_every_parameter(toy, toy_train_config, method_id, tm
     assert all((c / "backend" / "sha256.json").is_file() for c in ckpts)
     assert (ckpts[0] / "model" / "model.safetensors").is_file()
     assert train_rows[0]["rollout/trajectories"] >= 2
+    # where the rollout's time went (rl.ROLLOUT_TIMES): the engine worked, trajectories ended
+    row = train_rows[0]
+    assert 0 < row["rollout/engine_busy"] <= 1 and row["rollout/seconds"] > 0
+    assert 0 < row["rollout/longest_trajectory_s"] <= row["rollout/seconds"]
     unchanged = [k for k in start if torch.equal(start[k], final[k])]
     assert not unchanged, f"{method_id}: parameters not updated: {unchanged}"
 
