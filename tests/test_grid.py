@@ -138,7 +138,8 @@ def test_cell_config_takes_every_shared_setting_from_the_train_section():
         "engine": "vllm", "device": "cpu", "backend": "deepspeed", "zero_stage": 1,
         "ig_batch_size": 5, "rollout_tp": 2, "engine_memory_share": 0.4,
         "engine_kv_cache_gb": 3.0, "engine_sleep": False, "gradient_checkpointing": True,
-        "reference": "zero3", "stop_margin_s": 42.0, "offload_optimizer": True})
+        "reference": "zero3", "stop_margin_s": 42.0, "offload_optimizer": True,
+        "weight_sync": "ipc"})
     cfg = _resolve(Cell("toy", "grpo", 0.0, 1), train)
     # old_logprobs engine needs engine hf: checked on a section of its own below
     for name in set(TrainSettings.__dataclass_fields__) - {"old_logprobs"}:
