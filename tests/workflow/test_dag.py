@@ -157,7 +157,7 @@ def small_toy(workdir, methods=("react", "grpo", "a2tgpo")):
                            if t["name"] in ("toy_nq", "toy_hotpotqa")]
     cfg["grid"] = {"default": ["mini"], "sets": {
         "mini": {"methods": list(methods), "seeds": [1]},
-        "beta": {"methods": ["a2tgpo"], "betas": [0, 0.5], "seeds": [1]}}}
+        "beta": {"methods": ["a2tgpo"], "betas": [0.3, 0.5], "seeds": [1]}}}
     cfg["train"]["schedule"].update(steps=2, prompts_per_step=2, mini_batch_prompts=1,
                                     eval_every=2, save_every=2, eval_questions=4)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
