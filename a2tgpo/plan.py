@@ -70,14 +70,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from a2tgpo.config import ConfigError
+from a2tgpo.io import atomic_write_json
 from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig, read_config_json
 from a2tgpo.train.checkpoint import SAVE_SHARD_BYTES
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 # DeepSpeed ZeRO-1/2 defaults: reduce_bucket_size and allgather_bucket_size, 5e8 elements each
@@ -467,20 +472,21 @@ class CellPlan:
         return max(self.phases[self.peak_phase], key=lambda t: t.bytes)
 
 
-def step_seconds(cfg, sizes: ModelSizes, world: int, assume: Assumptions, gpu) -> float:
+def step_seconds(cfg, sizes: ModelSizes, world: int, assume: Assumptions, gpu,
+                 cache: str | None = None) -> float:
     """Estimated wall time of one step on `world` GPUs of kind `gpu` (a timing.GpuSpec): the
     rollouts of the step and its share of validation, then the training passes
-    (a2tgpo/timing.py, one model with bench/step_time.py)."""
+    (a2tgpo/timing.py, one model with bench/step_time.py). `cache`: _rollouts'."""
     from a2tgpo import timing
 
     b = _dtype_bytes(cfg, True)
     model = timing.ModelCost.of(sizes.arch, sizes.params, b)
     sched, n = cfg.schedule, cfg.method.rollout.n
     rollout = _rollouts(gpu, model, assume.shape, sched.prompts_per_step, n, world, cfg.rollout,
-                        cfg.engine_memory_share)
+                        cfg.engine_memory_share, cache)
     val = sched.eval_questions or sched.prompts_per_step
     validation = _rollouts(gpu, model, assume.shape, val, 1, world, cfg.rollout,
-                           cfg.engine_memory_share)
+                           cfg.engine_memory_share, cache)
     passes = timing.training_seconds(
         model, rollout.lengths, rollout.prefixes, gpu=gpu, gpus=world, mfu=assume.train_mfu,
         ppo_epochs=sched.ppo_epochs, reference=cfg.method.loss.kl_coef > 0,
@@ -492,12 +498,50 @@ def step_seconds(cfg, sizes: ModelSizes, world: int, assume: Assumptions, gpu) -
 
 @functools.cache
 def _rollouts(gpu, model, shape: str, prompts: int, n: int, ranks: int, agent_cfg,
-              memory_share: float):
+              memory_share: float, cache: str | None = None):
+    """timing.simulate_step, kept in `cache` (a folder; None: this process only) under a
+    digest of its inputs and of the package's code: the simulations cost seconds, and every
+    Snakemake start plans the study."""
     from a2tgpo import timing
 
-    return timing.simulate_step(gpu, model, timing.SHAPES[shape], prompts=prompts, n=n,
-                                ranks=ranks, agent_cfg=agent_cfg, schedule=agent_cfg.schedule,
-                                memory_share=memory_share)
+    def run():
+        return timing.simulate_step(gpu, model, timing.SHAPES[shape], prompts=prompts, n=n,
+                                    ranks=ranks, agent_cfg=agent_cfg,
+                                    schedule=agent_cfg.schedule, memory_share=memory_share)
+
+    if cache is None:
+        return run()
+    key = hashlib.sha256(json.dumps(
+        [dataclasses.asdict(gpu), dataclasses.asdict(model), shape,
+         dataclasses.asdict(timing.SHAPES[shape]), prompts, n, ranks,
+         dataclasses.asdict(agent_cfg), memory_share, _code_digest()],
+        sort_keys=True, default=str).encode()).hexdigest()[:32]
+    path = Path(cache) / f"{key}.json"
+    try:
+        rows = json.loads(path.read_text())
+        return timing.StepRollouts(tuple(
+            timing.RolloutTiming(**{**r, "lengths": tuple(r["lengths"]),
+                                    "responses": tuple(r["responses"]),
+                                    "prefixes": tuple(map(tuple, r["prefixes"]))})
+            for r in rows))
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent or damaged: simulate and (re)write it
+    out = run()
+    try:
+        atomic_write_json(path, [dataclasses.asdict(r) for r in out.ranks])
+    except OSError as e:  # a read-only cache slows the next start, nothing more
+        log.warning("step-time cache %s not written: %s", path, e)
+    return out
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The digest of every module of the package: a cached simulation is one this code made."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def study_gpu(study, assume: Assumptions):
@@ -614,9 +658,11 @@ def train_host_terms(cfg, sizes: ModelSizes, phases_peak: float, *, on_gpu: bool
 def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: float | None,
               assume: Assumptions = Assumptions(), index_bytes: float = 0.0,
               server: ServerMemory = ServerMemory((), ()), ranks: int | None = None,
-              nodes: int = 1, mem_mb: int | None = None, gpu=None) -> CellPlan:
+              nodes: int = 1, mem_mb: int | None = None, gpu=None,
+              cache: str | None = None) -> CellPlan:
     """`capacity`: per GPU (GPU cells); None on CPU cells: the job's memory request, mem_mb
-    or derived from the plan. `gpu`: the timing.GpuSpec of the step time (default: H100)."""
+    or derived from the plan. `gpu`: the timing.GpuSpec of the step time (default: H100);
+    `cache`: where its simulations are kept (_rollouts)."""
     phases = memory_phases(cfg, sizes, world=world, on_gpu=on_gpu, capacity=capacity or 0.0,
                            index_bytes=index_bytes, server_gpu=server.gpu)
     sched = cfg.schedule
@@ -625,7 +671,7 @@ def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: flo
         from a2tgpo.timing import GPUS
 
         gpu = GPUS["h100"]
-    step_s = step_seconds(cfg, sizes, world, assume, gpu) if on_gpu else None
+    step_s = step_seconds(cfg, sizes, world, assume, gpu, cache) if on_gpu else None
     hours = steps * step_s * world / 3600 if step_s is not None else None
     plan = CellPlan(cell=cfg.cell, on_gpu=on_gpu, world=world, capacity=capacity or 0.0,
                     phases=phases,
@@ -684,8 +730,9 @@ def _on_gpu(study, backbone_id: str) -> bool:
 
 def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assumptions()
                ) -> list[CellPlan]:
-    """The plan of every cell of the study's grid sets (all sets by default), in set order."""
-    from a2tgpo.study import resolve_cell, study_cells
+    """The plan of every cell of the study's grid sets (all sets by default), in set order.
+    The step-time simulations are kept in the study's cache folder (StudyConfig.cache_dir)."""
+    from a2tgpo.study import resolve_cell, study_cache, study_cells
 
     by_set = study_cells(study)
     cells = list(dict.fromkeys(c for name, cs in by_set.items()
@@ -707,7 +754,8 @@ def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assum
             index_bytes=_index_bytes(study, on_gpu),
             server=server_memory(study, gpus=train.nproc, on_gpu=on_gpu), ranks=ranks,
             nodes=train.nodes if ds else 1, mem_mb=train.mem_mb,
-            gpu=study_gpu(study, assume) if on_gpu else None))
+            gpu=study_gpu(study, assume) if on_gpu else None,
+            cache=str(study_cache(study) / "a2tgpo" / "step_time")))
     return plans
 
 

@@ -385,10 +385,15 @@ def policy_dir(study: StudyConfig, backbone_id: str) -> str:
     return model_dir(study, backbone_id) if is_hub_id(cfg) else cfg.path
 
 
+def study_cache(study: StudyConfig) -> Path:
+    """The study's cache folder (StudyConfig.cache_dir), absolute."""
+    return Path(study.cache_dir or f"{study.root}/cache").absolute()
+
+
 def cache_env(study: StudyConfig) -> dict[str, str]:
     """The cache variables the DAG sets for its jobs (StudyConfig.cache_dir). HF_HOME itself is
     left alone: the hub token lives there."""
-    root = Path(study.cache_dir or f"{study.root}/cache").absolute()
+    root = study_cache(study)
     return {"HF_HUB_CACHE": str(root / "huggingface" / "hub"),
             "HF_XET_CACHE": str(root / "huggingface" / "xet"),
             "HF_ASSETS_CACHE": str(root / "huggingface" / "assets"),

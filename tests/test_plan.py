@@ -275,6 +275,42 @@ def test_the_step_time_is_the_timing_model_on_the_configured_gpu():
         assert plan.gpu == spec
 
 
+def test_the_step_time_simulations_are_kept_on_disk_under_a_digest_of_inputs_and_code(
+        tmp_path, monkeypatch):
+    """Every Snakemake start plans the study; its simulations are read back from the study's
+    cache folder, bit for bit, unless an input, the package's code or the file itself changed."""
+    from a2tgpo import plan as plan_mod
+    from a2tgpo import timing
+
+    calls = []
+    simulate = timing.simulate_step
+    monkeypatch.setattr(timing, "simulate_step",
+                        lambda *a, **k: calls.append(k["prompts"]) or simulate(*a, **k))
+
+    def plans(*overrides):
+        plan_mod._rollouts.cache_clear()  # a new process: nothing in memory
+        study = load_study(PAPER, ["grid.sets.main.backbones=[qwen3-4b]",
+                                   "grid.sets.main.methods=[grpo]",
+                                   f"cache_dir={tmp_path}", *overrides])
+        return {p.cell: p.step_s for p in plan_study(study, ["main"])}
+
+    first = plans()
+    files = sorted((tmp_path / "a2tgpo" / "step_time").glob("*.json"))
+    # one rollout and one validation shape: 64 prompts x 16 and 500 questions x 1 (paper.yaml)
+    assert sorted(calls) == [64, 500] and len(files) == 2
+    calls.clear()
+    assert plans() == first and calls == []  # read back: the same floats, no simulation
+    files[0].write_text("{")  # damaged (a write cut short elsewhere): simulated again
+    assert plans() == first and len(calls) == 1
+    assert json.loads(files[0].read_text())  # and rewritten whole
+    calls.clear()
+    plans("train.rollout.schedule=trajectory")  # another input: two new simulations
+    assert sorted(calls) == [64, 500]
+    calls.clear()
+    monkeypatch.setattr(plan_mod, "_code_digest", lambda: "other code")
+    assert plans() == first and sorted(calls) == [64, 500]
+
+
 def test_an_explicit_gpu_spec_and_an_unknown_key():
     only_4b = "grid.sets.main.backbones=[qwen3-4b]"
     base = {p.cell: p.step_s for p in _paper_plans(only_4b, sets=["main"])}
