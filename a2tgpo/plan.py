@@ -107,6 +107,11 @@ REFUSAL_LINES = 12  # cells named in the DAG's refusal (the plan lists them all)
 # imports (measured: 0.24 GiB with torch and transformers, 0.42 GiB with vLLM) and working
 # buffers; GPU: the CUDA runtime and its libraries (cuBLAS, NCCL), pinned staging buffers
 PROCESS_HOST_BYTES = {False: 1.0 * GIB, True: 3.0 * GIB}
+# train.weight_sync bytes: host copies of the model per rank while a sync is in transit. Measured
+# on vLLM CPU (tests/rollout/test_weight_sync.py, a 382 MB model): 4.77x (torch.save's bytes,
+# the engine core's message frames, torch.load's tensors, vLLM's reload); on GPU the trainer's
+# `.cpu()` copy comes first: + 1 (an estimate). weight_sync ipc adds none on GPU.
+BYTES_SYNC_HOST_COPIES = 4.77 + 1.0
 # estimate: a retrieval server's share of each GPU it shards the index over, besides the
 # vectors: faiss-gpu's temporary memory (1.5 GiB by default) and the server's CUDA context
 FAISS_GPU_EXTRA_BYTES = 2.0 * GIB
@@ -640,9 +645,16 @@ def train_host_terms(cfg, sizes: ModelSizes, phases_peak: float, *, on_gpu: bool
     if not on_gpu:
         terms.append(Term("ranks' tensors", phases_peak, "the peak phase of the device plan"))
     else:
+        bytes_sync = vllm and cfg.weight_sync == "bytes"
         terms.append(Term("policy weights", ranks * sizes.params * b,
-                          f"{ranks} ranks x P x {b} B: loaded here, later the asleep engine's "
-                          "offloaded copy"))
+                          f"{ranks} ranks x P x {b} B: loaded here"
+                          + (", later the asleep engine's offloaded copy (sleep level 1)"
+                             if bytes_sync else "")))
+        if bytes_sync:
+            terms.append(Term(
+                "weight sync in transit", ranks * sizes.params * b * BYTES_SYNC_HOST_COPIES,
+                f"train.weight_sync bytes: {ranks} ranks x P x {b} B x "
+                f"{BYTES_SYNC_HOST_COPIES:.2f} host copies each step (ipc: none)"))
         if cfg.offload_optimizer:
             opt = optimizer_term(cfg, sizes.params, b, ranks * nodes)
             terms.append(Term("offloaded optimizer state", ranks * opt.bytes,

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "setup_gpu_env.sh"
 SMOKE = ROOT / "scripts" / "gpu_smoke.py"
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+# written last by scripts/setup_vllm_cpu.sh: a venv still being built (CI builds it beside the
+# main suite) has none
+VLLM_STAMP = ROOT / ".venv-vllm" / ".a2tgpo-vllm-stamp"
 QUERY = "--query-gpu=index,driver_version,compute_mode,name --format=csv,noheader"
 # the tools the script runs before its GPU check, and the fakes' `touch`
 TOOLS = ("dirname", "realpath", "cat", "sha256sum", "cut", "rm", "uname", "grep", "touch")
@@ -126,7 +129,8 @@ def test_smoke_without_vllm_says_so():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (bash scripts/setup_vllm_cpu.sh)")
+@pytest.mark.skipif(not VLLM_STAMP.exists(),
+                    reason="no finished .venv-vllm (bash scripts/setup_vllm_cpu.sh)")
 def test_smoke_in_the_cpu_vllm_environment():
     """All three import in one process; --require-gpu names each library that sees no GPU."""
     r = subprocess.run([str(VLLM_PY), str(SMOKE), "--require-gpu"], capture_output=True,

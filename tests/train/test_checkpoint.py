@@ -338,6 +338,7 @@ def test_data_order_resumes_into_more_epochs():
                     reason="deepspeed is not installed")
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
                     reason="needs Linux's resettable peak resident memory")
+@pytest.mark.expensive  # ~40 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_saving_a_zero2_model_does_not_copy_its_weights(tmp_path):
     """Under ZeRO-1/2 every parameter is a view of one flat buffer; a save of the live module
     through save_pretrained clones each of them on the device that holds the weights (GPU 0,

@@ -73,6 +73,7 @@ def test_identity_changes_name_each_compared_key():
         "input train_file: sha256 efefefefefef -> abababababab"]
 
 
+@pytest.mark.expensive  # ~20 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_a_changed_config_archives_the_old_run_and_trains_afresh(toy_train_config, tmp_path):
     results = tmp_path / "results"
     old = _config(toy_train_config, results)
@@ -150,6 +151,7 @@ def test_a_checkpoint_without_an_identity_resumes_with_a_warning(toy_train_confi
     assert "records no config" in caplog.text and "resumed from" in caplog.text
 
 
+@pytest.mark.expensive  # ~20 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_more_steps_go_on_from_the_checkpoint(toy_train_config, tmp_path, caplog):
     # an extension: 2 steps, then the same config with 3; the third step is trained on top,
     # and the weights are those of a straight 3-step run (validation at 2 in both: eval_every)

@@ -63,6 +63,7 @@ def _step_rows(run_dir):
     return rows
 
 
+@pytest.mark.expensive  # ~50 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
     method = dataclasses.replace(METHODS["grpo"], rollout=dataclasses.replace(
         METHODS["grpo"].rollout, n=4))

@@ -55,6 +55,7 @@ def _launch(cfg_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.expensive  # ~70 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_two_rank_training_runs_gathers_and_resumes(toy_train_config, tmp_path):
     method = dataclasses.replace(METHODS["grpo"], rollout=dataclasses.replace(
         METHODS["grpo"].rollout, n=N))

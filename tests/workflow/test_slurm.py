@@ -240,6 +240,7 @@ def dry_run_jobs(workdir, *args, shell=False):
     return found
 
 
+@pytest.mark.expensive  # ~25 s on 2 cores: CI runs it in its expensive step (.ci/run)
 def test_profile_resource_mapping_dry_run(workdir):
     train = yaml.safe_load((workdir / "config/paper.yaml").read_text())["train"]
     jobs_ = dry_run_jobs(workdir, "--workflow-profile", "profiles/slurm")
