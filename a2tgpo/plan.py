@@ -487,7 +487,10 @@ def step_seconds(cfg, sizes: ModelSizes, world: int, assume: Assumptions, gpu,
     b = _dtype_bytes(cfg, True)
     model = timing.ModelCost.of(sizes.arch, sizes.params, b)
     sched, n = cfg.schedule, cfg.method.rollout.n
-    rollout = _rollouts(gpu, model, assume.shape, sched.prompts_per_step, n, world, cfg.rollout,
+    # AEPO branches after each wave under either schedule (a2tgpo/rollout/trees.py)
+    agent = (dataclasses.replace(cfg.rollout, schedule="waves")
+             if cfg.method.rollout.shape == "aepo" else cfg.rollout)
+    rollout = _rollouts(gpu, model, assume.shape, sched.prompts_per_step, n, world, agent,
                         cfg.engine_memory_share, cache)
     val = sched.eval_questions or sched.prompts_per_step
     validation = _rollouts(gpu, model, assume.shape, val, 1, world, cfg.rollout,

@@ -317,6 +317,24 @@ def test_the_step_time_simulations_are_kept_on_disk_under_a_digest_of_inputs_and
     assert plans() == first and sorted(calls) == [64, 500]
 
 
+def test_aepo_cells_time_their_rollouts_in_waves_as_they_run_them(tmp_path, monkeypatch):
+    # paper.yaml rolls out per trajectory, but AEPO branches after each wave under either
+    # schedule (trees.rollout_aepo): its step's rollouts are timed in waves, its greedy
+    # validation (chains) per trajectory
+    from a2tgpo import plan as plan_mod
+    from a2tgpo import timing
+
+    calls = []
+    simulate = timing.simulate_step
+    monkeypatch.setattr(timing, "simulate_step", lambda *a, **k: calls.append(
+        (k["prompts"], k["n"], k["schedule"])) or simulate(*a, **k))
+    plan_mod._rollouts.cache_clear()
+    study = load_study(PAPER, ["grid.sets.main.backbones=[qwen3-4b]",
+                               "grid.sets.main.methods=[aepo, grpo]", f"cache_dir={tmp_path}"])
+    plan_study(study, ["main"])
+    assert sorted(calls) == [(64, 16, "trajectory"), (64, 16, "waves"), (500, 1, "trajectory")]
+
+
 def test_an_explicit_gpu_spec_and_an_unknown_key():
     only_4b = "grid.sets.main.backbones=[qwen3-4b]"
     base = {p.cell: p.step_s for p in _paper_plans(only_4b, sets=["main"])}
