@@ -1,6 +1,9 @@
 """The CLI explains itself and runs the stage commands end to end."""
 
+import contextlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -69,6 +72,21 @@ with folder_lock(sys.argv[1], "run folder"):
     print("held", flush=True)
     time.sleep(600)
 """
+
+
+@contextlib.contextmanager
+def lock_held(run):
+    """Another process holds `run`'s lock (LOCK_HOLDER) inside the block; yields it."""
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
 CELL_SELECTORS = ["data=multi_hop", "method=a2tgpo", "beta=0.3", "seed=1"]
 CELL = "backbone~toy_reader/data~multi_hop/method~a2tgpo/beta~0.3/seed~1"
 
@@ -77,7 +95,6 @@ CELL = "backbone~toy_reader/data~multi_hop/method~a2tgpo/beta~0.3/seed~1"
 def rerun_study(tmp_path, monkeypatch):
     """The toy study with its results under tmp_path, one cell's run folder with a file in it,
     and Snakemake replaced by a recorder: returns (rerun(*args) -> rc, run folder, calls)."""
-    import subprocess
     from pathlib import Path
 
     import yaml
@@ -104,18 +121,10 @@ def rerun_study(tmp_path, monkeypatch):
 
 def test_rerun_refuses_a_run_folder_in_use_naming_the_holder(rerun_study, capsys):
     import socket
-    import subprocess
-    import sys
 
     rerun, run, calls = rerun_study
-    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().strip() == "held"
+    with lock_held(run) as p:
         assert rerun("--", "--cores", "2") == 1
-    finally:
-        p.kill()
-        p.wait()
     err = capsys.readouterr().err
     # the holder as the lock file records it: pid, host and its command (argv[:3]; for
     # `python -c CODE RUN` that is "-c RUN")
@@ -146,18 +155,9 @@ def test_a_snakemake_dry_run_through_rerun_moves_nothing(rerun_study, capsys, fl
 
 
 def test_rerun_dry_run_says_a_busy_folder_would_be_refused(rerun_study, capsys):
-    import subprocess
-    import sys
-
     rerun, run, calls = rerun_study
-    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run)], stdout=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().strip() == "held"
+    with lock_held(run) as p:
         assert rerun("--dry-run") == 0
-    finally:
-        p.kill()
-        p.wait()
     out = capsys.readouterr().out
     assert f"would archive {run} to " in out
     assert f"refused now: the run folder is in use by pid {p.pid} on host" in out

@@ -104,23 +104,19 @@ def test_the_kv_cache_bounds_what_runs_at_once():
     """A cache of 1,000 tokens: two 600-token prompts of 5 tokens each cannot both be in
     flight, so the second is admitted when the first ends (steps 0-4, then 5-9); with 2,000
     they run together (steps 0-4)."""
-    m = _qwen3_4b()
-    eng = timing.VirtualEngine(TICK, m, kv_capacity=1000)
-    clock = timing.VirtualClock(eng)
-    w = timing._Waiter(2)
-    with clock.client():
-        for _ in range(2):
-            clock.submit(600, 600, 5, lambda r: clock.release(w))
-        clock.wait(w)
+    def two_requests(kv_capacity: int) -> timing.VirtualEngine:
+        eng = timing.VirtualEngine(TICK, _qwen3_4b(), kv_capacity=kv_capacity)
+        clock = timing.VirtualClock(eng)
+        w = timing._Waiter(2)
+        with clock.client():
+            for _ in range(2):
+                clock.submit(600, 600, 5, lambda r: clock.release(w))
+            clock.wait(w)
+        return eng
+
+    eng = two_requests(1000)
     assert eng.steps == 10 and eng.now == pytest.approx(0.10)
-    eng = timing.VirtualEngine(TICK, m, kv_capacity=2000)
-    clock = timing.VirtualClock(eng)
-    w = timing._Waiter(2)
-    with clock.client():
-        for _ in range(2):
-            clock.submit(600, 600, 5, lambda r: clock.release(w))
-        clock.wait(w)
-    assert eng.steps == 5
+    assert two_requests(2000).steps == 5
 
 
 def test_training_passes_by_hand():
