@@ -310,7 +310,7 @@ def test_the_step_time_simulations_are_kept_on_disk_under_a_digest_of_inputs_and
     assert plans() == first and len(calls) == 1
     assert json.loads(files[0].read_text())  # and rewritten whole
     calls.clear()
-    plans("train.rollout.schedule=trajectory")  # another input: two new simulations
+    plans("train.rollout.schedule=waves")  # another input (paper.yaml's is trajectory): two new
     assert sorted(calls) == [64, 500]
     calls.clear()
     monkeypatch.setattr(plan_mod, "_code_digest", lambda: "other code")

@@ -95,6 +95,7 @@ def _assert_resumes_exactly(cfg, run_dir, straight):
         assert rows_a[step] == rows_b[step], f"step {step} metrics differ"
 
 
+@pytest.mark.expensive  # ~17 s each and their shared straight run ~15 s: CI's expensive step
 def test_stop_during_rollouts_abandons_the_step(toy_train_config, straight, tmp_path,
                                                 monkeypatch, caplog):
     cfg = _config(toy_train_config, tmp_path / "run")
@@ -121,6 +122,7 @@ def test_stop_during_rollouts_abandons_the_step(toy_train_config, straight, tmp_
     _assert_resumes_exactly(cfg, cfg.run_dir, straight)
 
 
+@pytest.mark.expensive  # ~17 s each and their shared straight run ~15 s: CI's expensive step
 def test_stop_during_validation_saves_the_step_and_validates_it_on_resume(
         toy_train_config, straight, tmp_path, monkeypatch):
     cfg = _config(toy_train_config, tmp_path / "run")
@@ -142,6 +144,7 @@ def test_stop_during_validation_saves_the_step_and_validates_it_on_resume(
     _assert_resumes_exactly(cfg, cfg.run_dir, straight)
 
 
+@pytest.mark.expensive  # ~17 s each and their shared straight run ~15 s: CI's expensive step
 def test_time_budget_stops_before_a_step_that_would_not_fit(toy_train_config, straight,
                                                             tmp_path, monkeypatch):
     # the job "ends" stop_margin_s from now: the first step runs (nothing measured yet); after
