@@ -90,7 +90,7 @@ def test_tensors_on_several_devices_or_a_cuda_tensor_without_its_gpu_are_refused
             pack({"a": torch.zeros(2), "b": torch.zeros(2, device="cuda")})
 
 
-@pytest.mark.gpu  # bench/gpu_check.sh runs it (vLLM is not on the device; this is the handles alone)
+@pytest.mark.gpu  # bench/gpu_check.sh runs it (vLLM is not on the device: the handles alone)
 def test_cuda_tensors_arrive_as_ipc_handles_to_the_senders_device_memory():
     model = torch.nn.Linear(64, 32).cuda()
     state = model.state_dict()
