@@ -8,7 +8,8 @@ atomically.
 from __future__ import annotations
 
 import argparse
-import logging
+import itertools
+import os
 import signal
 import sys
 import time
@@ -348,8 +349,9 @@ def cmd_train(args) -> int:
     check_job_cpus("train.threads")
     cfg = _load(TrainConfig, args)
     summary = train(cfg)
-    print(f"trained {cfg.method.id} for {summary['steps']} steps; best dev EM "
-          f"{summary['best_val_em']:.3f} at step {summary['best_step']} -> {cfg.run_dir}")
+    args.summary = (f"{cfg.method.id}, {summary['steps']} steps; best dev EM "
+                    f"{summary['best_val_em']:.3f} at step {summary['best_step']} -> "
+                    f"{cfg.run_dir}")
     return 0
 
 
@@ -615,9 +617,8 @@ def cmd_sweep_trial(args) -> int:
     from a2tgpo.job_cpus import check_job_cpus
     from a2tgpo.train.config import TrainConfig
 
-    if args.log:
-        sweep.redirect_to_log(args.log)
-    check_job_cpus("train.threads")  # a trial is a training job (rule sweep_trial)
+    check_job_cpus("train.threads")  # a trial is a training job (rule sweep_trial; main()
+    # has sent stderr to --log already)
     cfg = sweep.load_sweep(args.sweep)
     base = load_config(TrainConfig, args.base)
     try:
@@ -1259,28 +1260,67 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from a2tgpo import joblog
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if getattr(args, "log", None):  # sweep-trial --log: the job's log is that file, header too
+        from a2tgpo.sweep import redirect_to_log
+
+        redirect_to_log(args.log)
+    joblog.setup_logging(args.verbose)
+    if joblog.header_due(mark=args.command in WRAPPERS):
+        joblog.begin(_job_title(args), ["a2tgpo", *argv], _job_config(args))
     # a job started by the workflow ends with the Snakemake that started it (no orphans); the
     # retrieval server stops gracefully on SIGINT (it holds on through SIGTERM)
     from a2tgpo.train.preemption import watch_anchor
 
     watch_anchor(signal.SIGINT if args.command == "serve-retriever" else signal.SIGTERM)
     start = time.perf_counter()
+    rc = 1  # an exception other than those below: its traceback follows the closing line
     try:
         rc = args.func(args)
     except ConfigError as e:
         print(f"a2tgpo {args.command}: config error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
     except (FileNotFoundError, MemoryError, *_user_errors()) as e:
         # problems of the inputs, not of the code: a message, not a traceback
         print(f"a2tgpo {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    logging.getLogger("a2tgpo").info("%s done in %.1f s", args.command, time.perf_counter() - start)
+        rc = 1
+    except SystemExit as e:  # a training job stopped for its time limit (exit 75)
+        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        raise
+    finally:
+        if os.environ.get("RANK", "0") == "0":
+            joblog.end(args.command, rc, time.perf_counter() - start,
+                       getattr(args, "summary", None), getattr(args, "out", None))
     return rc
+
+
+# commands that run another a2tgpo command into their own log: its header is theirs
+WRAPPERS = ("with-retriever", "launch")
+
+
+def _job_title(args) -> str:
+    """`train` for `with-retriever CFG -- a2tgpo launch ... -- a2tgpo train CFG`: the job a
+    wrapper runs; the command itself otherwise."""
+    words = getattr(args, "passthrough", None) or []
+    if args.command in WRAPPERS:
+        inner = [w for prev, w in itertools.pairwise(words) if Path(prev).name == "a2tgpo"]
+        if inner:
+            return f"{inner[-1]} (through {args.command})"
+    return args.command
+
+
+def _job_config(args) -> str | None:
+    """The job's config file, for its log's header: CONFIG, --config, or a cell folder's."""
+    config = getattr(args, "config", None)
+    if isinstance(config, str):
+        return config
+    cell = getattr(args, "cell", None)
+    if isinstance(cell, str) and (Path(cell) / "config.yaml").is_file():
+        return str(Path(cell) / "config.yaml")
+    return None
 
 
 if __name__ == "__main__":
