@@ -59,7 +59,7 @@ from a2tgpo.eval.select import best_step
 from a2tgpo.grid import archive_dir, archive_stamp
 from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
-from a2tgpo.progress import progress_bar
+from a2tgpo.progress import duration, eta_s, progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question, RolloutStats, SearchTool
 from a2tgpo.rollout.failures import outcome_metrics
@@ -185,8 +185,11 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
             run.tracker.log(validate(run, run.start), run.start)
     except StopRequested as e:
         _stop(run, None, str(e))  # nothing new to save
+    # into a file, the step's log line is the progress line (report_step)
     bar = progress_bar(range(first, sched.steps), desc=f"{cfg.method.id} seed {cfg.seed}",
-               unit="step", initial=first, total=sched.steps, disable=not run.main)
+                       unit="step", initial=first, total=sched.steps, disable=not run.main,
+                       lines=False)
+    t_first = time.perf_counter()  # the pace of this job's steps, for the ETA
     streak = 0  # consecutive non-finite steps
     for step in bar:
         # the ranks agree: one may have been signalled, or read the clock a little later
@@ -220,7 +223,8 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
             except StopRequested:
                 pending = True  # the resumed run validates this step first
         run.tracker.log(metrics, done)
-        report_step(run, bar, done, metrics, sample)
+        report_step(run, bar, done, metrics, sample,
+                    eta_s(time.perf_counter() - t_first, done - first, sched.steps - first))
         stop = pending or run.backend.all_reduce_sum(float(preempt.requested)) > 0
         if done % sched.save_every == 0 or done == sched.steps or stop:
             t_save = time.perf_counter()
@@ -444,9 +448,10 @@ def save(run: Run, step: int, *, pending_validation: bool = False) -> None:
                     extra_state=backend_state)
 
 
-def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> None:
-    """Progress bar, one log line per step, and (on validation steps and the first)
-    the step's sampled trajectories in rollouts.jsonl."""
+def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict],
+                eta: float | None = None) -> None:
+    """Progress bar, one log line per step (with `eta`, the seconds left), and (on validation
+    steps and the first) the step's sampled trajectories in rollouts.jsonl."""
     sched = run.cfg.schedule
     bar.set_postfix(reward=f"{metrics['train/reward']:.2f}", em=f"{metrics['train/em']:.2f}")
     if not run.main:
@@ -455,9 +460,10 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict]) -> 
         with open(Path(run.cfg.run_dir) / ROLLOUTS_FILE, "a") as f:
             for t in sample:
                 f.write(json.dumps({"step": done, **t}) + "\n")
-    log.info("step %d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s)", done,
-             metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
-             metrics["rollout/tool_calls"], metrics["time/step"])
+    log.info("step %d/%d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s, ETA %s)", done,
+             sched.steps, metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
+             metrics["rollout/tool_calls"], metrics["time/step"],
+             "?" if eta is None else duration(eta))
     if metrics["rollout/obs_cut"] > 0.1:
         log.warning("step %d: rollout.max_obs_tokens (%d) cut the passages of %.0f%% of the "
                     "observations; a policy trained on whole ones may misread them", done,

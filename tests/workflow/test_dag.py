@@ -209,6 +209,28 @@ def test_toy_dag_end_to_end(workdir):
         if run.data.tags["method"] != "react":
             assert "train/reward" in run.data.metrics
 
+    # the job logs read as a person reads them (a2tgpo/joblog.py): plain lines, no bar
+    # frames and no loader noise; each begins with what the job is and ends with how it went
+    logs = sorted(p for p in (res / "logs").rglob("*.log"))
+    assert len(logs) > 10
+    for path in logs:
+        text = path.read_text()
+        for noise in ("\r", "faiss.loader", "No module named 'faiss", "Setting accelerator"):
+            assert noise not in text, (path, noise, text[-2000:])
+        if path.name == "mlflow_experiment.log":  # a Snakemake `run:` block's one line
+            continue
+        job = [ln.split("a2tgpo.job: ", 1)[1] for ln in text.splitlines() if "a2tgpo.job: " in ln]
+        assert job[0].startswith("a2tgpo ") and job[1].startswith("command: a2tgpo "), path
+        assert job[-1].startswith("a2tgpo ") and " finished in " in job[-1], path
+    train = (res / "logs/runs" / CELLS[2] / "train.log").read_text()
+    job = [ln.split("a2tgpo.job: ", 1)[1] for ln in train.splitlines() if "a2tgpo.job: " in ln]
+    assert job[0] == f"a2tgpo train · cell {CELLS[2]}" and len(job) == 5  # 4 + closing line
+    assert job[-1].startswith("a2tgpo train finished in ") and "2 steps; best dev EM" in job[-1]
+    # a line per step: step, reward, EM, seconds, ETA
+    steps = [ln.split("rl: ")[1] for ln in train.splitlines() if ": reward " in ln]
+    assert [ln.split(":")[0] for ln in steps] == ["step 1/2", "step 2/2"]
+    assert all(" EM " in ln and " s, ETA " in ln for ln in steps)
+
     # nothing changed -> nothing to do
     r = smk(workdir, "-n")
     assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
