@@ -43,7 +43,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -634,8 +634,10 @@ def _precreate_mlflow_run(cfg, sweep: SweepConfig, index: int, number: int) -> N
     tags = {"sweep": sweep.name, "trial": str(index), "optuna_trial": str(number),
             "beta": format_value(v["beta"]), "gamma": format_value(v["gamma"]),
             "cell": cfg.cell, "stage": "sweep"}
-    tracker = Tracker(cfg.run_dir, cfg.tracking, study=cfg.study, run_name=run_name(cfg),
-                      tags=tags, results_dir=cfg.results_dir)
+    # no system metrics: this job does nothing to sample (training's Tracker samples)
+    tracker = Tracker(cfg.run_dir, replace(cfg.tracking, system_metrics=False),
+                      study=cfg.study, run_name=run_name(cfg), tags=tags,
+                      results_dir=cfg.results_dir)
     with tracker:
         pass
     if not tracker.mlflow_enabled:

@@ -28,6 +28,13 @@ logs besides the metrics (run name, tags, params, artifacts, final status), and 
 `a2tgpo sync-mlflow` command) replays a job's tracker.json, metrics.jsonl and summary.json into
 its MLflow run once the store is back, adding only what the run lacks.
 
+System metrics: while a job's MLflow run is live, mlflow's system-metrics monitor (a thread of
+the job, with a client of its own) logs the machine's CPU, memory, disk and network use, and
+each GPU's through NVML where nvidia-ml-py is installed, as system/... points every
+`system_metrics_interval_s`; the last, shorter window is logged when the job ends. They exist
+only live: a job that logs to metrics.jsonl only has none, and `sync` has none to replay. What
+jobs log through `summary` (their peak memory, a2tgpo.train.memory.job_peak) is replayed.
+
 Run status: leaving the `with` block normally ends the run FINISHED; an `Exception` ends it FAILED
 and a `KeyboardInterrupt`/`SystemExit` (SIGINT, or a SIGTERM handler that exits) ends it KILLED,
 and the exception propagates. SIGKILL (and SIGTERM without a handler) cannot be caught: the run
@@ -113,6 +120,20 @@ class TrackingConfig:
         "MLFLOW_HTTP_REQUEST_TIMEOUT, MLFLOW_HTTP_REQUEST_MAX_RETRIES and "
         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR win where the environment sets them.", gt=0
     )
+    system_metrics: bool = option(
+        True,
+        "Sample the machine's CPU, memory, disk and network use (and each GPU's use, memory and "
+        "power, where nvidia-ml-py finds an NVIDIA driver) into the job's MLflow run as "
+        "system/... metrics while the job runs: mlflow's system-metrics monitor, a thread of the "
+        "job. Live MLflow only: a job that logs to metrics.jsonl only records none, and "
+        "sync-mlflow has none to replay.",
+    )
+    system_metrics_interval_s: float = option(
+        5.0,
+        "Seconds between system-metrics samples; each is one MLflow point per metric (the last, "
+        "shorter window is logged when the job ends). MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL "
+        "wins where the environment sets it.", gt=0
+    )
 
     def __post_init__(self) -> None:
         for key in ("tracking_uri", "experiment", "artifact_location"):
@@ -125,6 +146,10 @@ class TrackingConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s}")
+        if not (math.isfinite(self.system_metrics_interval_s)
+                and self.system_metrics_interval_s > 0):
+            raise ValueError(f"system_metrics_interval_s must be a positive number of seconds, "
+                             f"got {self.system_metrics_interval_s}")
 
 
 # the URI schemes of the tracking stores mlflow registers (a test keeps this equal to mlflow's
@@ -396,6 +421,7 @@ class Tracker:
         self._last_step = 0
         self._summary: dict[str, Any] = {}
         self._record: dict[str, Any] = {}
+        self._monitor: Any = None  # mlflow's system-metrics monitor while it samples
 
     @classmethod
     def attach(
@@ -455,6 +481,8 @@ class Tracker:
         else:  # KeyboardInterrupt, SystemExit: stopped (e.g. preempted), not broken
             status = "KILLED"
         try:
+            if self._monitor is not None:
+                self._stop_system_metrics()
             if self._client is not None:
                 self._guarded("flushing metrics", self._flush)
             if self._client is not None:
@@ -482,6 +510,8 @@ class Tracker:
         self._log_params({} if created else run.data.params)
         if self.config_file is not None:
             client.log_artifact(self.run_id, str(self.config_file))
+        if self.cfg.system_metrics:
+            self._start_system_metrics(uri)
 
     def _open_run(self, client: Any, uri: str, start_time: int | None = None) -> tuple[Any, bool]:
         """(the cell's run, whether it was created now): the linked run, or a new one."""
@@ -519,6 +549,47 @@ class Tracker:
                         self.out_dir / METRICS_FILE, SYNC_HINT.format(self.run_dir))
             self._client = None
             self._pending.clear()
+
+    # ---- system metrics -------------------------------------------------------------------
+
+    def _start_system_metrics(self, uri: str) -> None:
+        """Start mlflow's system-metrics monitor on this job's run: a daemon thread that samples
+        every `system_metrics_interval_s` and logs system/... points with its own client. It
+        stops by itself when the run is no longer RUNNING. A monitor that cannot start (psutil
+        missing, ...) costs a warning; the rest of MLflow goes on."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # its start and stop are three INFO lines in every job's log; our line says it all
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+            # resume_logging: a resumed or attached job's points follow the run's last ones
+            monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=self.cfg.system_metrics_interval_s,
+                resume_logging=True, tracking_uri=uri)
+            monitor.start()
+        except Exception as e:
+            log.warning("no system metrics for MLflow run %s (%s: %s); the other metrics go on",
+                        self.run_id, type(e).__name__, e)
+            return
+        self._monitor = monitor
+        gpu = any(type(m).__name__ in ("GPUMonitor", "ROCMMonitor") for m in monitor.monitors)
+        log.info("system metrics every %g s into MLflow run %s (CPU, memory, disk, network; %s)",
+                 monitor.sampling_interval, self.run_id,
+                 "GPU through NVML" if gpu else "no GPU: none found, or no nvidia-ml-py")
+
+    def _stop_system_metrics(self) -> None:
+        """Stop the monitor and log its last window: mlflow's thread drops the samples of a
+        window the stop cuts short, so a job shorter than one interval would have none."""
+        monitor, self._monitor = self._monitor, None
+        try:
+            monitor.finish()  # wakes the thread, joins it, flushes what it buffered
+            if self._client is not None:  # MLflow still answers
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
+        except Exception as e:  # the job's own metrics and status still go out
+            log.warning("the last system metrics of MLflow run %s were not logged (%s: %s)",
+                        self.run_id, type(e).__name__, e)
 
     # ---- the record sync replays ----------------------------------------------------------
 

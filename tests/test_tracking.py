@@ -264,6 +264,51 @@ def test_failure_mid_run_warns_once_and_jsonl_goes_on(store, tmp_path, caplog, m
     assert history(client, t.run_id, "x") == [(0, 0.0)]
 
 
+# ---- system metrics (mlflow's monitor) ---------------------------------------------------------
+
+
+def _system_steps(client, run_id):
+    return [p.step for p in client.get_metric_history(run_id, "system/cpu_utilization_percentage")]
+
+
+def test_system_metrics_sample_the_machine_while_the_job_runs(store, tmp_path):
+    results, client = store
+    cfg = TrackingConfig(system_metrics_interval_s=0.2)
+    with tracker(tmp_path / "cell", results, cfg) as t:
+        start = time.time()
+        time.sleep(1.2)
+    # 1.2 s at 0.2 s: up to 6 windows from the monitor's thread (fewer on a busy machine: each
+    # window also waits for a read of the run), then the last one at the stop
+    steps = _system_steps(client, t.run_id)
+    assert len(steps) >= 2 and steps == list(range(len(steps)))
+    first = client.get_metric_history(t.run_id, "system/cpu_utilization_percentage")[0]
+    assert first.timestamp >= int(start * 1000)  # logged while the job ran, not replayed
+    assert {"system/system_memory_usage_megabytes", "system/disk_usage_megabytes",
+            "system/network_receive_megabytes"} <= set(client.get_run(t.run_id).data.metrics)
+
+
+def test_a_job_shorter_than_one_interval_logs_its_window_and_a_rerun_follows(store, tmp_path):
+    results, client = store
+    cfg = TrackingConfig(system_metrics_interval_s=3600)
+    with tracker(tmp_path / "cell", results, cfg) as first:
+        first.log({"x": 0.0}, step=0)
+    with tracker(tmp_path / "cell", results, cfg) as second:  # resumes the same run
+        second.log({"x": 1.0}, step=1)
+    assert second.run_id == first.run_id
+    # one point per job (the window mlflow's thread drops at the stop), the rerun's after
+    assert _system_steps(client, first.run_id) == [0, 1]
+
+
+def test_system_metrics_off_logs_none(store, tmp_path):
+    results, client = store
+    cfg = TrackingConfig(system_metrics=False, system_metrics_interval_s=0.2)
+    with tracker(tmp_path / "cell", results, cfg) as t:
+        t.log({"x": 0.0}, step=0)
+        time.sleep(0.5)  # two of the intervals it would sample at
+    metrics = client.get_run(t.run_id).data.metrics
+    assert "x" in metrics and not [k for k in metrics if k.startswith("system/")]
+
+
 def test_read_metrics_ignores_truncated_last_line_only(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1.0}\n{"step": 1, "x": 2.0}\n{"step": 2, "x"')
@@ -331,7 +376,9 @@ def test_cut_after_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [{"log_every": 0}, {"timeout_s": 0.0}, {"timeout_s": -1.0},
-                                 {"timeout_s": math.nan}, {"timeout_s": math.inf}])
+                                 {"timeout_s": math.nan}, {"timeout_s": math.inf},
+                                 {"system_metrics_interval_s": 0.0},
+                                 {"system_metrics_interval_s": math.nan}])
 def test_config_rejects_nonpositive_log_every_and_timeout(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         TrackingConfig(**bad)

@@ -53,6 +53,7 @@ values stay those of the selected checkpoint). A tracking failure never fails ev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -89,6 +90,7 @@ from a2tgpo.rollout.trajectory import Trajectory
 from a2tgpo.rollout.vllm_engine import EngineDead
 from a2tgpo.tracking import SUMMARY_FILE, Tracker
 from a2tgpo.train.config import TrainConfig
+from a2tgpo.train.memory import job_peak
 from a2tgpo.train.preemption import StopRequested
 
 log = logging.getLogger(__name__)
@@ -386,15 +388,47 @@ def tracked_metrics(summary: dict, prefix: str = "test") -> dict[str, float]:
     return out
 
 
-def _track(cell: Path, cfg: TrainConfig, out_dir: Path, tags: dict, fn) -> None:
-    """Run `fn(tracker)` in a Tracker attached to the cell's run; never raises."""
-    try:
-        with Tracker.attach(cell, cfg.tracking, results_dir=cfg.results_dir,
-                            out_dir=out_dir / TRACKING_SUBDIR, tags=tags) as tracker:
-            fn(tracker)
-    except Exception as e:  # the results are written; tracking is the browsing layer only
+class _Track:
+    """A Tracker attached to the cell's run, open from before the evaluation to its end: the
+    run is RUNNING meanwhile and its system metrics cover the evaluation. Calling it with `fn`
+    logs the results (`fn(tracker)`) and the job's peak memory (peak_memory/<job>/...), then
+    ends the Tracker; `end(exc)` ends it on the evaluation's exception instead (the run ends
+    FAILED, or KILLED on a stop). Never raises: the results are written, and tracking is the
+    browsing layer only."""
+
+    def __init__(self, cell: Path, cfg: TrainConfig, out_dir: Path, tags: dict, job: str):
+        self.cell, self.out_dir, self.job = cell, out_dir, job
+        self._stack = contextlib.ExitStack()
+        self.tracker: Tracker | None = None
+        try:
+            self.tracker = self._stack.enter_context(Tracker.attach(
+                cell, cfg.tracking, results_dir=cfg.results_dir,
+                out_dir=out_dir / TRACKING_SUBDIR, tags=tags))
+        except Exception as e:
+            self._failed(e)
+
+    def __call__(self, fn) -> None:
+        tracker, self.tracker = self.tracker, None
+        if tracker is None:
+            return
+        try:
+            with self._stack:
+                fn(tracker)
+                tracker.summary(job_peak(f"peak_memory/{self.job}"))
+        except Exception as e:
+            self._failed(e)
+
+    def end(self, exc: BaseException) -> None:
+        tracker, self.tracker = self.tracker, None
+        if tracker is not None:
+            try:
+                self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception as e:
+                self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
         log.warning("tracking the evaluation of %s failed (%s: %s); results in %s are complete",
-                    cell, type(e).__name__, e, out_dir)
+                    self.cell, type(e).__name__, e, self.out_dir)
 
 
 def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
@@ -425,16 +459,20 @@ def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[
     cell, out = Path(cfg.run_dir), Path(out_dir)
     best = read_best(best_path, cell)
     test_sets = load_test_sets(test_paths)  # fail on bad inputs before loading models
+    tags = {"eval.criterion": best["criterion"], "eval.label": best["label"],
+            "eval.step": best["step"], "eval.checkpoint": best["checkpoint"]}
+    track = _Track(cell, cfg, out, tags, "eval")
     retriever = _retriever(cfg)
     try:
         summary, _, timing = evaluate_checkpoint(
             cfg, best["model_dir"], test_sets, out, step=int(best["step"]),
             checkpoint=best["checkpoint"], criterion=best["criterion"], label=best["label"],
             retriever=retriever, chunk=chunk, max_batch=max_batch, progress=progress)
+    except BaseException as e:
+        track.end(e)
+        raise
     finally:
         retriever.close()
-    tags = {"eval.criterion": best["criterion"], "eval.label": best["label"],
-            "eval.step": best["step"], "eval.checkpoint": best["checkpoint"]}
 
     def log_all(tracker):
         tracker.log(tracked_metrics(summary), summary["step"])
@@ -442,7 +480,7 @@ def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[
                          "eval/seconds": timing["rollout_seconds"],
                          "eval/questions_per_s": timing["questions_per_s"]})
 
-    _track(cell, cfg, out, tags, log_all)
+    track(log_all)
     return summary, _one_line(summary, timing, out)
 
 
@@ -475,6 +513,7 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
     timings = {}
     engine = None
     if todo:
+        track = _Track(cell, cfg, out, {}, "eval_all")
         retriever = _retriever(cfg)
         try:
             for step, model_dir, rel in todo:
@@ -482,6 +521,9 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
                     cfg, model_dir, test_sets, out / step_dir_name(step), step=step,
                     checkpoint=rel, criterion=None, label=f"step {step}", retriever=retriever,
                     chunk=chunk, max_batch=max_batch, engine=engine, progress=progress)
+        except BaseException as e:
+            track.end(e)
+            raise
         finally:
             retriever.close()
 
@@ -489,7 +531,7 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
             for step in sorted(timings):
                 tracker.log(tracked_metrics(summaries[step], "test_by_checkpoint"), step)
 
-        _track(cell, cfg, out, {}, log_all)
+        track(log_all)
     summaries = dict(sorted(summaries.items()))
     n = sum(t["questions"] for t in timings.values())
     secs = sum(t["rollout_seconds"] for t in timings.values())

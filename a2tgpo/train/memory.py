@@ -12,16 +12,25 @@ Boundaries of a step (rl.py train_step), in order:
   logprob   after the old / reference / information-gain passes
   update    after the updates (the optimizer state offloaded when `offload_optimizer` is on)
   awake     after the engine woke and took the new weights
-On CPU every function is a no-op and no metric is recorded: there is no separate device pool.
+On CPU these functions are no-ops and no metric is recorded: there is no separate device pool.
+
+`job_peak` is apart: the whole job's peak memory, the host's and (on GPU) the device's, which
+training and evaluation log once at their end.
 """
 
 from __future__ import annotations
 
 import gc
+import resource
+import sys
 
 import torch
 
 GIB = 2**30
+
+# the most the caching allocator reserved on any device before the last `reset_peak` (bytes):
+# PhaseMemory resets the peak at every boundary, and the job's peak must outlive that
+_reserved_before_reset = 0
 
 
 def on_cuda(device) -> bool:
@@ -50,8 +59,58 @@ def snapshot(device) -> dict[str, float]:
 
 
 def reset_peak(device) -> None:
+    global _reserved_before_reset
     if on_cuda(device):
+        _reserved_before_reset = max(_reserved_before_reset,
+                                     torch.cuda.max_memory_reserved(device))
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def job_peak(prefix: str) -> dict[str, float]:
+    """This process's peak memory so far, in GiB, as `<prefix>/<key>` metrics:
+
+    host_gib           its peak resident set (getrusage's ru_maxrss)
+    host_children_gib  the largest peak resident set of its child processes: the ended ones
+                       (getrusage RUSAGE_CHILDREN) and the running ones (VmHWM in
+                       /proc/<pid>/status, Linux); 0 without any
+    gpu_reserved_gib   where CUDA was used: the most its caching allocator reserved on any
+                       device (through `reset_peak`'s resets). An engine in processes of its
+                       own (vLLM) is not in it; the device's whole use is in the system/gpu_*
+                       metrics.
+    """
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    unit = 1 if sys.platform == "darwin" else 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit
+    for pid in _descendants():
+        children = max(children, _peak_rss(pid))
+    out = {"host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / GIB,
+           "host_children_gib": children / GIB}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        reserved = max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+        out["gpu_reserved_gib"] = max(reserved, _reserved_before_reset) / GIB
+    return {f"{prefix}/{k}": v for k, v in out.items()}
+
+
+def _descendants() -> list[int]:
+    try:
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+    except Exception:  # no psutil, or a process table it cannot read: the ended children only
+        return []
+
+
+def _peak_rss(pid: int) -> int:
+    """A running process's peak resident set in bytes (0 where /proc does not say: not Linux,
+    or the process ended meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:    1234 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class PhaseMemory:

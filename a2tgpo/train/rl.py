@@ -97,7 +97,7 @@ from a2tgpo.train.distributed import (
 )
 from a2tgpo.train.lineage import KEY as IDENTITY_KEY
 from a2tgpo.train.lineage import archive_superseded, identity_changes, run_identity
-from a2tgpo.train.memory import PhaseMemory, release
+from a2tgpo.train.memory import PhaseMemory, job_peak, release
 from a2tgpo.train.preemption import (
     EXIT_PREEMPTED,
     PreemptionHandler,
@@ -235,7 +235,8 @@ def _loop(run: Run, preempt: PreemptionHandler) -> dict:
         budget.step_took(time.perf_counter() - t0)
     summary = {"steps": sched.steps, "best_step": run.best["step"],
                "best_val_em": run.best["val_em"]}
-    run.tracker.summary(summary)
+    # the job's peak memory: summary.json and the MLflow run, not the returned summary
+    run.tracker.summary({**summary, **job_peak("peak_memory/train")})
     return summary
 
 

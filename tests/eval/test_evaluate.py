@@ -434,25 +434,43 @@ def test_missing_best_json_is_a_clear_cli_error(toy_cell, own_cell, capsys):
 
 
 @pytest.mark.slow
-def test_metrics_go_to_the_cells_mlflow_run(toy_cell, own_cell, tmp_path):
+def test_metrics_go_to_the_cells_mlflow_run(toy_cell, own_cell, tmp_path, monkeypatch):
+    """The test metrics go to the cell's run, and the evaluation runs inside its Tracker: the
+    run is RUNNING while the test sets are evaluated, mlflow's system metrics cover that, the
+    job's peak memory is logged at its end, and an evaluation that fails ends the run FAILED
+    and raises."""
     import dataclasses
 
     from mlflow import MlflowClient
 
+    import a2tgpo.eval.evaluate as ev
     from a2tgpo.eval.evaluate import evaluate_best
     from a2tgpo.tracking import Tracker, TrackingConfig, resolve_tracking_uri
 
     cell, cfg = own_cell
     results = tmp_path / "results"
-    cfg = dataclasses.replace(cfg, results_dir=str(results), tracking=TrackingConfig())
-    with Tracker(cell, cfg.tracking, study="toy", run_name="cell", results_dir=results) as train:
+    cfg = dataclasses.replace(cfg, results_dir=str(results),
+                              tracking=TrackingConfig(system_metrics_interval_s=0.2))
+    train_tracking = dataclasses.replace(cfg.tracking, system_metrics=False)
+    with Tracker(cell, train_tracking, study="toy", run_name="cell", results_dir=results) as train:
         train.log({"val/em": 0.5}, 0)  # what training leaves: the run and mlflow_run.json
     (cell / "best.json").write_text(json.dumps({
         "criterion": "dev_em", "label": "dev EM", "step": 0,
         "checkpoint": "checkpoints/step_000000/model", "value": 0.5, "candidates": {"0": 0.5}}))
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg.tracking, results))
+    status, real = [], ev.evaluate_checkpoint
+
+    def observed(*args, **kwargs):
+        status.append(client.get_run(train.run_id).info.status)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate_checkpoint", observed)
     summary, _ = evaluate_best(cfg, cell / "best.json", [toy_cell.tests["ts"]], cell / "eval",
                                progress=False)
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg.tracking, results))
+    assert status == ["RUNNING"]  # the run was open while the test set was evaluated
+    cpu = client.get_metric_history(train.run_id, "system/cpu_utilization_percentage")
+    assert cpu and [p.step for p in cpu] == list(range(len(cpu)))
+    peak = json.loads((cell / "eval" / ev.TRACKING_SUBDIR / "summary.json").read_text())
     run = client.get_run(train.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["eval.checkpoint"] == "checkpoints/step_000000/model"
@@ -463,3 +481,15 @@ def test_metrics_go_to_the_cells_mlflow_run(toy_cell, own_cell, tmp_path):
     assert m["test/all/em"] == pytest.approx(summary["groups"]["all"]["em"])
     assert m["eval/questions"] == 5 and m["val/em"] == 0.5
     assert [h.step for h in client.get_metric_history(train.run_id, "test/all/em")] == [0]
+    assert peak["peak_memory/eval/host_gib"] > 0
+    assert m["peak_memory/eval/host_gib"] == pytest.approx(peak["peak_memory/eval/host_gib"])
+    assert "peak_memory/eval/host_children_gib" in m
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine died")
+
+    monkeypatch.setattr(ev, "evaluate_checkpoint", broken)
+    with pytest.raises(RuntimeError, match="the engine died"):
+        evaluate_best(cfg, cell / "best.json", [toy_cell.tests["ts"]], cell / "eval",
+                      progress=False)
+    assert client.get_run(train.run_id).info.status == "FAILED"

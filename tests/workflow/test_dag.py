@@ -206,6 +206,9 @@ def test_toy_dag_end_to_end(workdir):
     for run in runs:
         assert run.info.status == "FINISHED"
         assert "test/toy_nq/em" in run.data.metrics and "val/em" in run.data.metrics
+        # the machine while the jobs ran, and each job's peak memory at its end
+        assert "system/cpu_utilization_percentage" in run.data.metrics
+        assert {"peak_memory/train/host_gib", "peak_memory/eval/host_gib"} <= set(run.data.metrics)
         if run.data.tags["method"] != "react":
             assert "train/reward" in run.data.metrics
 
