@@ -68,6 +68,7 @@ CHECKS = [
     (r"(\./run )?a2tgpo rerun ", "run"),  # with --dry-run: it prints what it would do
     (r"(\./run )?a2tgpo (sync-mlflow|rehearse)( |$)", "parse"),
     (r"\./run mlflow ui ", "serve"),
+    (r"\./run optuna-dashboard ", "serve"),  # on a sweep's journal made here
     (r"export '?PATH=", "env"),
     (r"bash scripts/\S+\.sh", "env"),
     (r"\.venv-gpu/bin/python -m pytest -m gpu", "env"),
@@ -177,6 +178,10 @@ def test_documented_servers_start(tmp_path):
         argv = _local(re.sub(r"--port \d+", f"--port {port}", command), tmp_path)
         # its store path is relative: results/toy/ of a fresh folder
         (tmp_path / "results/toy").mkdir(parents=True, exist_ok=True)
+        url, expect = f"http://127.0.0.1:{port}/health", None
+        if "optuna-dashboard" in command:  # it serves the study the sweep's journal holds
+            _sweep_journal(tmp_path / Path(argv[1]).parent)
+            url, expect = f"http://127.0.0.1:{port}/api/studies", b'"study_name": "toy"'
         proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         try:
@@ -184,9 +189,10 @@ def test_documented_servers_start(tmp_path):
             while True:
                 assert proc.poll() is None, f"{command}: {proc.stderr.read()[-2000:]}"
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
-                                                timeout=2) as r:
+                    with urllib.request.urlopen(url, timeout=2) as r:
                         assert r.status == 200
+                        body = r.read()
+                    assert expect is None or expect in body, f"{command}: {url} gave {body!r}"
                     break
                 except OSError:
                     assert time.monotonic() < deadline, f"{command}: no answer in 120 s"
@@ -194,6 +200,17 @@ def test_documented_servers_start(tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def _sweep_journal(directory: Path) -> None:
+    """A sweep's Optuna journal (a2tgpo.sweep.open_storage) with the study `toy`, two trials."""
+    import optuna
+
+    from a2tgpo.sweep import open_storage
+
+    study = optuna.create_study(study_name="toy", storage=open_storage(directory),
+                                direction="maximize")
+    study.optimize(lambda trial: trial.suggest_float("beta", 0.0, 0.5), n_trials=2)
 
 
 def _dry_runs() -> dict[tuple[str, ...], list[str]]:
