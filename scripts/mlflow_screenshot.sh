@@ -7,7 +7,7 @@
 #   NO_KIND_TAG=1 scripts/mlflow_screenshot.sh   # the same with the experiment's
 #                                                # mlflow.experimentKind tag removed afterwards
 #
-# Two pages, each as OUT_DIR/<page>.png (1400x900) and OUT_DIR/<page>.html (the DOM after the
+# Four pages, each as OUT_DIR/<page>.png (1400x900) and OUT_DIR/<page>.html (the DOM after the
 # page's scripts ran, for checks: tests/test_mlflow_ui.py), their addresses in OUT_DIR/urls:
 #
 #   runs        #/experiments/<id>?workflowType=machine_learning: the runs table. MLflow 3.17's
@@ -16,14 +16,22 @@
 #               the experiment's mlflow.experimentKind tag.
 #   experiment  #/experiments/<id>, the experiment list's link, in a browser that never chose:
 #               the GenAI overview (empty traces charts) with MLflow 3.17.2.
+#   grouped     the runs table grouped by the `method` tag, each method's row the average over
+#               its seeds, filtered to the backbone (README "Methods over seeds"):
+#               #/experiments/<id>/runs?viewStateShareKey=by_method, a view saved in the tag
+#               mlflow.sharedViewState.by_method as the UI's "Save view" saves one (the page's
+#               state: groupBy, selectedColumns, searchFilter, chartsSearchFilter)
+#   grouped_charts  the same in the chart view (&compareRunsMode=CHART): a line per method, the
+#               mean of its seeds with a min-max band; the EM charts only
 #
-# The store has three runs with five steps of metrics, named by a2tgpo.cell.Cell.display_name as
-# training names them: "a2tgpo β=0.3 seed 1 · toy", "a2tgpo β=0.3 seed 2 · toy" and
-# "grpo β=0 seed 1 · toy". It and the server's log stay in OUT_DIR/store/ and OUT_DIR/server.log.
+# The store has four runs, two methods x two seeds, with five steps of train/reward and val/em
+# and a test/multi_hop/em summary, named by a2tgpo.cell.Cell.display_name as training names
+# them: "a2tgpo β=0.3 seed 1 · toy", "a2tgpo β=0.3 seed 2 · toy", "grpo β=0 seed 1 · toy" and
+# "grpo β=0 seed 2 · toy". It and the server's log stay in OUT_DIR/store/ and OUT_DIR/server.log.
 # The server (`mlflow ui` from .venv, through ./run) listens on 127.0.0.1 only, on a free port,
 # and is stopped before the script ends, also when it fails or is interrupted. Needs Debian's
 # chromium (`apt-get install -y chromium`); CHROMIUM=/path/to/chrome picks another binary.
-# About 20 s on 2 idle cores.
+# About 30 s on 2 idle cores.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +45,7 @@ rm -rf "$STORE" && mkdir -p "$STORE"
 
 # the store, as the DAG's experiment rule and training jobs write it; prints the experiment id
 EXP_ID="$(cd "$ROOT" && NO_KIND_TAG="${NO_KIND_TAG:-}" ./run python - "$STORE" <<'EOF'
-import logging, os, sys
+import json, logging, os, sys, time
 from pathlib import Path
 
 from a2tgpo.cell import Cell
@@ -47,8 +55,8 @@ logging.disable(logging.WARNING)
 store = Path(sys.argv[1])
 cfg = TrackingConfig()
 exp_id = init_experiment(cfg, study="toy", results_dir=store)
-for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo", 0.3, 2), 0.08),
-                    (Cell("toy", "grpo", 0.0, 1), 0.0)]:
+for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo", 0.3, 2), 0.06),
+                    (Cell("toy", "grpo", 0.0, 1), 0.0), (Cell("toy", "grpo", 0.0, 2), -0.04)]:
     # named and tagged as training names and tags its runs (a2tgpo.train.rl.run_name)
     with Tracker(store / "runs" / cell.path, cfg, study="toy", results_dir=store,
                  run_name=cell.display_name,
@@ -57,10 +65,21 @@ for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo"
                  params={"method": cell.method, "seed": cell.seed}) as t:
         for step in range(1, 6):
             t.log({"train/reward": 0.1 * step + shift, "val/em": 0.05 * step + shift}, step)
-if os.environ.get("NO_KIND_TAG"):
-    from mlflow import MlflowClient
+        t.summary({"test/multi_hop/em": 0.3 + shift})
+from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{store.resolve() / 'mlflow.db'}")
+client = MlflowClient(tracking_uri=f"sqlite:///{store.resolve() / 'mlflow.db'}")
+# the README's comparison as a saved view (the runs page's Views list): the tag the UI's "Save
+# view" writes, {name, createdAt, updatedAt, state}, state being the page's state as JSON text
+view = {"searchFilter": 'tags.backbone = "toy"',
+        "groupBy": {"aggregateFunction": "average",
+                    "groupByKeys": [{"mode": "tag", "groupByData": "method"}]},
+        "selectedColumns": ["metrics.`val/em`", "metrics.`test/multi_hop/em`", "tags.`seed`"],
+        "chartsSearchFilter": "em"}
+now = int(time.time() * 1000)
+client.set_experiment_tag(exp_id, "mlflow.sharedViewState.by_method", json.dumps(
+    {"name": "methods over seeds", "createdAt": now, "updatedAt": now, "state": json.dumps(view)}))
+if os.environ.get("NO_KIND_TAG"):
     for key in EXPERIMENT_KIND:
         client.delete_experiment_tag(exp_id, key)
 print(exp_id)
@@ -70,7 +89,11 @@ EOF
 PORT="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 EXP_URL="http://127.0.0.1:$PORT/#/experiments/$EXP_ID"
 RUNS_URL="$EXP_URL?workflowType=machine_learning"
-printf 'runs %s\nexperiment %s\n' "$RUNS_URL" "$EXP_URL" > "$OUT/urls"
+# the link the UI's "Save view" gives (the runs tab's own route; /experiments/<id> drops it)
+GROUPED_URL="$EXP_URL/runs?viewStateShareKey=by_method"
+CHARTS_URL="$GROUPED_URL&compareRunsMode=CHART"
+printf 'runs %s\nexperiment %s\ngrouped %s\ngrouped_charts %s\n' "$RUNS_URL" "$EXP_URL" \
+    "$GROUPED_URL" "$CHARTS_URL" > "$OUT/urls"
 
 # its own process group, so stopping it stops its workers too; one worker and no job runner
 # (judges, issue detection): the pages shown do not use them, and it starts faster
@@ -100,9 +123,13 @@ shoot() {  # shoot PAGE URL
 }
 shoot runs "$RUNS_URL"
 shoot experiment "$EXP_URL"
+shoot grouped "$GROUPED_URL"
+shoot grouped_charts "$CHARTS_URL"
 stop
 trap - EXIT
 
 echo "experiment $EXP_ID of $STORE/mlflow.db (server stopped)"
 echo "runs table:      $OUT/runs.png       ($RUNS_URL)"
 echo "experiment page: $OUT/experiment.png ($EXP_URL)"
+echo "by method:       $OUT/grouped.png    ($GROUPED_URL)"
+echo "by method chart: $OUT/grouped_charts.png ($CHARTS_URL)"
