@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -592,11 +593,34 @@ def _report(args, module) -> int:
 
     if args.runs is None and not args.cells:
         raise ConfigError("give --runs DIR or --cells CELL...")
+    if args.set is not None and not args.study_run:
+        raise ConfigError("--set names the grid set of --study-run; give both or neither")
     try:
-        return module.main(args.config, args.section, args.runs, args.cells, args.out)
+        rc = module.main(args.config, args.section, args.runs, args.cells, args.out)
     except ReportInputError as e:  # a malformed result file: a message, not a traceback
         print(f"a2tgpo {args.command}: error: {e}", file=sys.stderr)
         return 1
+    if rc == 0 and args.study_run:
+        _log_study_run(args)
+    return rc
+
+
+def _log_study_run(args) -> None:
+    """`--study-run`: the outputs into the study's MLflow run; tracking never fails the
+    report (a2tgpo/report/study_run.py)."""
+    from a2tgpo.report import discover_cells
+    from a2tgpo.report.study_run import log_outputs
+
+    try:
+        cells = [c.run_dir for c in discover_cells(args.runs, args.cells)]
+        run_id = log_outputs(cells, args.out, args.command, args.set)
+    except Exception as e:  # the files are written; the study run is the browsing layer
+        logging.getLogger("a2tgpo.report").warning(
+            "the study's MLflow run was not updated with %s (%s: %s)", args.out,
+            type(e).__name__, e)
+        return
+    if run_id is not None:
+        print(f"{args.command} logged to the study's MLflow run {run_id}")
 
 
 def cmd_tables(args) -> int:
@@ -1131,6 +1155,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "with --section report (default: the built-in layout of the papers)")
         p.add_argument("--section", default=None, help="read this section of --config")
         p.add_argument("--out", required=True, help=out_help)
+        p.add_argument("--study-run", action="store_true",
+                       help="also log the outputs into the study's MLflow run (tag "
+                       "kind=study), in the store and experiment of the first cell's "
+                       "config.yaml; best effort: a tracking failure is a warning")
+        p.add_argument("--set", default=None, metavar="NAME",
+                       help="with --study-run: the run of grid set NAME, not the study's")
 
     p = sub.add_parser(
         "tables",

@@ -4,7 +4,10 @@ Every job writes `<out_dir>/metrics.jsonl` (one JSON object per `log` call, flus
 killed job keeps what it logged); Snakemake rules, Optuna objectives and tests read only that file
 (`read_metrics`). MLflow is the browsing layer on top: one experiment per study, one run per grid
 cell, with the cell's wildcards as tags, the flattened resolved config as params and the resolved
-config file as an artifact (DESIGN §3 "Tracking").
+config file as an artifact (DESIGN §3 "Tracking"); jobs add their evidence as artifacts
+(`log_artifact`) and the data they read as MLflow dataset inputs (`log_inputs`), so the runs
+table's Dataset column says what each run saw. The study's tables and plots have a run of their
+own (`study_run_name`, tag kind=study: a2tgpo/report/study_run.py).
 
 One cell, one run. The run id is kept in `<run_dir>/mlflow_run.json`, so a rerun of the cell
 (resume after preemption, or after a kill left the run RUNNING) and the evaluation job
@@ -24,9 +27,9 @@ the start costs a job one probe (at most `timeout_s`); one that dies mid-run cos
 call (at most 3·`timeout_s` + 3 s).
 
 What MLflow missed is not lost: every Tracker also writes `<out_dir>/tracker.json`, what it
-logs besides the metrics (run name, tags, params, artifacts, final status), and `sync` (the
-`a2tgpo sync-mlflow` command) replays a job's tracker.json, metrics.jsonl and summary.json into
-its MLflow run once the store is back, adding only what the run lacks.
+logs besides the metrics (run name, tags, params, artifacts, dataset inputs, final status), and
+`sync` (the `a2tgpo sync-mlflow` command) replays a job's tracker.json, metrics.jsonl and
+summary.json into its MLflow run once the store is back, adding only what the run lacks.
 
 System metrics: while a job's MLflow run is live, mlflow's system-metrics monitor (a thread of
 the job, with a client of its own) logs the machine's CPU, memory, disk and network use, and
@@ -81,6 +84,20 @@ _HTTP_RETRIES = 2
 _HTTP_BACKOFF_FACTOR = 1
 
 SYNC_HINT = "`a2tgpo sync-mlflow {}` uploads them once the store is back"
+
+# the tag that marks a study's own run (its tables and plots), and the tag by which a cell's run
+# names it: searching `tags.kind = 'study'` finds it, a cell's `study_run` column says which
+KIND_TAG, STUDY_KIND, STUDY_RUN_TAG = "kind", "study", "study_run"
+# MLflow's tag for what a dataset input was used for (mlflow.utils.mlflow_tags)
+_DATASET_CONTEXT = "mlflow.data.context"
+# the keys of a dataset input as `log_inputs` takes it and tracker.json keeps it
+DATASET_KEYS = ("name", "digest", "source_type", "source", "profile", "context")
+
+
+def study_run_name(study: str, grid_set: str | None = None) -> str:
+    """The MLflow run name of a study's tables and plots (of one extra grid set's, if given);
+    a cell's run names it in its `study_run` tag."""
+    return f"study · {study}" if grid_set is None else f"study · {study} · set {grid_set}"
 
 
 class TrackingUnreachable(RuntimeError):
@@ -413,6 +430,7 @@ class Tracker:
         self.run_id: str | None = None
         self._attached = False  # made by `attach`: logs into a run a previous job started
         self._artifacts: list[tuple[str, str | None]] = []  # log_artifact calls (path, under)
+        self._inputs: list[dict] = []  # log_inputs' datasets (sync replays them)
         self._client: Any = None  # an MlflowClient while MLflow is on
         self._connection = contextlib.ExitStack()
         self._jsonl: Any = None
@@ -618,6 +636,7 @@ class Tracker:
             "params": {**self.params, **old.get("params", {})},
             "config_file": config or old.get("config_file"),
             "artifacts": old.get("artifacts", []),
+            "inputs": old.get("inputs", []),
             "started": old.get("started", round(time.time(), 3)),
             "ended": None,
             "status": None,  # null while the job runs, or when it was killed
@@ -697,6 +716,30 @@ class Tracker:
             self._guarded(f"logging artifact {path}", lambda: self._client.log_artifact(
                 self.run_id, str(path), artifact_path))
 
+    def log_inputs(self, datasets: Iterable[Mapping[str, Any]]) -> None:
+        """Log the datasets a job read as the run's MLflow dataset inputs.
+
+        Each is a dict of DATASET_KEYS: name, digest (at most 36 characters), source_type and
+        source (JSON) as MLflow's dataset sources spell them, profile (JSON or None) and context
+        (training, validation, test: the Dataset column shows it). MLflow keeps one input per
+        (name, digest) in a run, so logging one again adds nothing.
+        """
+        datasets = [_dataset(d) for d in datasets]
+        known = {(d["name"], d["digest"]) for d in self._record["inputs"]}
+        new = [d for d in datasets if (d["name"], d["digest"]) not in known]
+        if new:
+            self._write_record(inputs=[*self._record["inputs"], *new])
+        if self._client is not None and datasets:
+            self._guarded("logging dataset inputs", lambda: self._log_inputs(datasets))
+
+    def _log_inputs(self, datasets: list[dict]) -> None:
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        self._client.log_inputs(self.run_id, [
+            DatasetInput(Dataset(d["name"], d["digest"], d["source_type"], d["source"],
+                                 profile=d["profile"]),
+                         [InputTag(_DATASET_CONTEXT, d["context"])]) for d in datasets])
+
     def _log_tags(self, tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
         from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH
@@ -760,6 +803,11 @@ class Tracker:
             if Path(path).exists() and not _has_artifact(client, self.run_id, path, under):
                 client.log_artifact(self.run_id, path, under)
                 artifacts += 1
+        there_inputs = {(i.dataset.name, i.dataset.digest)
+                        for i in (run.inputs.dataset_inputs if run.inputs else [])}
+        inputs = [d for d in self._inputs if (d["name"], d["digest"]) not in there_inputs]
+        if inputs:
+            self._log_inputs(inputs)
 
         points = self._job_points()
         there: dict[str, set[int]] = {}
@@ -775,7 +823,7 @@ class Tracker:
             attached or run.info.status == "RUNNING")
         if set_status:
             client.set_terminated(self.run_id, status, end_time=ended)
-        changed = created or bool(tags or params or artifacts or uploaded) or set_status
+        changed = created or bool(tags or params or artifacts or inputs or uploaded) or set_status
         return SyncedRun(self.out_dir, self.run_id, created=created, changed=changed,
                          points=uploaded, present=len(points) - uploaded)
 
@@ -916,12 +964,29 @@ def _replay(folder: Path, record: Mapping[str, Any], tracking_uri: str | None,
                           results_dir=results_dir, tags=record["tags"], params=record["params"],
                           config_file=folder / config if config else None, out_dir=folder)
     tracker._artifacts = [(path, under) for path, under in record["artifacts"]]
+    tracker._inputs = [_dataset(d) for d in record.get("inputs", [])]  # older records: none
     return tracker
 
 
 def _has_artifact(client: Any, run_id: str, path: str, under: str | None) -> bool:
-    # log_artifact puts a file or folder under its own name
-    return Path(path).name in {Path(a.path).name for a in client.list_artifacts(run_id, under)}
+    """Whether the run has `path` where log_artifact puts it (under its own name); a file
+    whose size differs is one the job rewrote since (a study's tables), so it counts as
+    missing."""
+    local = Path(path)
+    for a in client.list_artifacts(run_id, under):
+        if Path(a.path).name == local.name:
+            return a.is_dir or not local.is_file() or a.file_size == local.stat().st_size
+    return False
+
+
+def _dataset(d: Mapping[str, Any]) -> dict:
+    """A dataset input as `log_inputs` takes it; ValueError naming what is missing."""
+    missing = [k for k in DATASET_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"dataset input {d.get('name')!r}: no {', '.join(missing)}")
+    if len(d["digest"]) > 36:  # MLflow's limit (mlflow.utils.validation)
+        raise ValueError(f"dataset input {d['name']!r}: digest longer than 36 characters")
+    return {k: d[k] for k in DATASET_KEYS}
 
 
 def _read_link(run_dir: Path) -> dict | None:

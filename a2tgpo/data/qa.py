@@ -530,6 +530,39 @@ def prepare_data(cfg: DataConfig, out_dir: str | Path, *, source: str = "data co
     return summary
 
 
+# how many hex digits of a file's sha256 name its MLflow dataset (MLflow allows 36)
+DIGEST_CHARS = 16
+
+
+def dataset_input(path: str | Path, context: str, *, sha256: str | None = None) -> dict[str, Any]:
+    """A prepared file (train.parquet, dev.parquet, test/<name>.parquet) as an MLflow dataset
+    input (`a2tgpo.tracking.Tracker.log_inputs`): name `<data folder>/<file stem>` (e.g.
+    multi_hop/train, multi_hop/hotpotqa), digest the file's sha256 (its first DIGEST_CHARS hex
+    digits; `sha256` when the caller hashed it already), source the file, and a profile with
+    its rows and where they came from (the hub file with its revision, or the local file, from
+    the data folder's summary.json). `context`: training, validation or test."""
+    path = Path(path).resolve()
+    data = path.parent.parent if path.parent.name == "test" else path.parent
+    if sha256 is None:
+        sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    rel = path.relative_to(data).as_posix()
+    profile: dict[str, Any] = {"file": rel}
+    summary_file = data / "summary.json"
+    if summary_file.is_file():  # a prepared folder: rows and origins
+        summary = json.loads(summary_file.read_text())
+        files, inputs = summary.get("files", {}), summary.get("inputs", [])
+        if rel in files:
+            profile["rows"] = files[rel]["rows"]
+        if rel.startswith("test/"):
+            origins = [i for i in inputs if i["role"] == "test" and i["name"] == path.stem]
+        else:
+            origins = [i for i in inputs if i["role"] == "train"]
+        profile["from"] = [f"{i['file']} ({i['split']}, {i['rows']} rows)" for i in origins]
+    return {"name": f"{data.name}/{path.stem}", "digest": sha256[:DIGEST_CHARS],
+            "source_type": "local", "source": json.dumps({"uri": str(path)}),
+            "profile": json.dumps(profile), "context": context}
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table

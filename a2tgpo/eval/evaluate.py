@@ -48,7 +48,10 @@ for `--all-checkpoints`, which writes one such directory per checkpoint:
 Metrics go to the cell's MLflow run (`Tracker.attach`): `test/<dataset>/{em,f1}` and
 `test/<group>/{em,f1}` at the selected step for `--best`; `test_by_checkpoint/...` at each
 checkpoint's step for `--all-checkpoints` (a separate name, so the run's latest `test/...`
-values stay those of the selected checkpoint). A tracking failure never fails evaluation.
+values stay those of the selected checkpoint). The test sets are the run's dataset inputs
+(context test); for `--best` the run also gets, as artifacts under eval/, the files above
+(predictions, per-set records, summary.json) and best.json, the selection they evaluate.
+A tracking failure never fails evaluation.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from a2tgpo.config import load_config
-from a2tgpo.data.qa import load_split
+from a2tgpo.data.qa import dataset_input, load_split
 from a2tgpo.eval.select import complete_checkpoints, read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
 from a2tgpo.model.backbone import load_model, load_tokenizer
@@ -104,6 +107,7 @@ DEFAULT_CHUNK = 1024
 # is kept.
 CPU_MAX_BATCH = 32
 TRACKING_SUBDIR = "tracking"
+EVIDENCE_DIR = "eval"  # where the run's artifacts of an evaluation go
 ALL = "all"
 # outcomes of a question that got no rollout (the others: a2tgpo/rollout/failures.py)
 ROW_FAILURES = ("prompt_too_long", "error")
@@ -431,6 +435,20 @@ class _Track:
                     self.cell, type(e).__name__, e, self.out_dir)
 
 
+def eval_inputs(test_sets: Sequence[EvalDataset]) -> list[dict]:
+    """The test sets as MLflow dataset inputs (a2tgpo.data.qa.dataset_input)."""
+    return [dataset_input(s.path, "test") for s in test_sets]
+
+
+def evidence_files(out_dir: Path, test_sets: Sequence[EvalDataset],
+                   best_path: str | Path) -> list[Path]:
+    """What an evaluation of the selected checkpoint leaves for a person to read, in the order
+    the run gets them: per test set its predictions and record, the summary, best.json."""
+    files = [out_dir / f"{s.name}{ext}" for s in test_sets
+             for ext in (".predictions.jsonl", ".json")]
+    return [*files, out_dir / SUMMARY_FILE, Path(best_path)]
+
+
 def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
     groups = ", ".join(f"{g} {d['em']:.4f}" for g, d in summary["groups"].items())
     failed = (f" ({summary['failed']} not evaluated: outcome and error in the predictions)"
@@ -479,6 +497,9 @@ def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[
         tracker.summary({"eval/step": summary["step"], "eval/questions": timing["questions"],
                          "eval/seconds": timing["rollout_seconds"],
                          "eval/questions_per_s": timing["questions_per_s"]})
+        tracker.log_inputs(eval_inputs(test_sets))
+        for path in evidence_files(out, test_sets, best_path):
+            tracker.log_artifact(path, EVIDENCE_DIR)
 
     track(log_all)
     return summary, _one_line(summary, timing, out)
@@ -530,6 +551,7 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
         def log_all(tracker):
             for step in sorted(timings):
                 tracker.log(tracked_metrics(summaries[step], "test_by_checkpoint"), step)
+            tracker.log_inputs(eval_inputs(test_sets))
 
         track(log_all)
     summaries = dict(sorted(summaries.items()))

@@ -14,7 +14,8 @@ logs and checkpoints on schedule. One step, as `train_step` reads (the papers' v
   8. ppo_epochs x mini-batches x micro-batches, losses with the mini-batch's global
      denominators, one optimizer update per mini-batch (a2tgpo/train/update.py)
   9. weights to the rollout engines: every rank's engine gets that rank's own weights
- 10. metrics and rollout samples
+ 10. metrics and rollout samples (all of the step's trajectories in rollouts.jsonl; a few, in
+     the readable form, as the MLflow run's artifacts)
 A vLLM engine sleeps (frees its memory) from after the rollouts until the update is done; its
 weights are woken for the weight sync and its KV cache after it. At each of these phase
 boundaries the trainer hands the memory it freed back to the device (a2tgpo/train/memory.py),
@@ -55,8 +56,10 @@ from a2tgpo.algo.info_gain import ig_by_turn, information_gain
 from a2tgpo.algo.masks import gather_turns
 from a2tgpo.algo.methods import MethodConfig
 from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
+from a2tgpo.data.qa import dataset_input
 from a2tgpo.eval.select import best_step
 from a2tgpo.grid import archive_dir, archive_stamp
+from a2tgpo.io import atomic_write_json
 from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
 from a2tgpo.progress import duration, eta_s, progress_bar
@@ -75,7 +78,7 @@ from a2tgpo.rollout.runner import (
 )
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.rollout.weight_checksum import state_checksum
-from a2tgpo.tracking import METRICS_FILE, Tracker, cut_after
+from a2tgpo.tracking import METRICS_FILE, STUDY_RUN_TAG, Tracker, cut_after, study_run_name
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     DataOrder,
@@ -116,6 +119,10 @@ from a2tgpo.train.update import (
 log = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+# the readable sample of a rollouts.jsonl step the MLflow run gets (artifacts rollouts/
+# step_NNNNNN.json): the first SAMPLE_GROUPS prompt groups whole (advantages are relative
+# within a group), at most SAMPLE_TRAJECTORIES trajectories, so a 240-step run logs ~25 small files
+SAMPLE_DIR, SAMPLE_GROUPS, SAMPLE_TRAJECTORIES = "rollout_samples", 2, 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +175,12 @@ def train(cfg: TrainConfig) -> dict:
             for name in (METRICS_FILE, ROLLOUTS_FILE):
                 cut_after(Path(cfg.run_dir) / name, run.saved)
         with run.tracker:
+            if run.main:  # what the run trains and validates on: the Dataset column
+                run.tracker.log_inputs(
+                    [dataset_input(cfg.train_file, "training",
+                                   sha256=run.identity["inputs"]["train_file"]),
+                     dataset_input(cfg.dev_file, "validation",
+                                   sha256=run.identity["inputs"]["dev_file"])])
             summary = _loop(run, preempt)
     _close(run)
     return summary
@@ -461,6 +474,7 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict],
         with open(Path(run.cfg.run_dir) / ROLLOUTS_FILE, "a") as f:
             for t in sample:
                 f.write(json.dumps({"step": done, **t}) + "\n")
+        run.tracker.log_artifact(write_rollout_sample(run, done, sample), "rollouts")
     log.info("step %d/%d: reward %.3f EM %.3f loss %.4f calls %.2f (%.1f s, ETA %s)", done,
              sched.steps, metrics["train/reward"], metrics["train/em"], metrics["loss/total"],
              metrics["rollout/tool_calls"], metrics["time/step"],
@@ -469,6 +483,23 @@ def report_step(run: Run, bar, done: int, metrics: dict, sample: list[dict],
         log.warning("step %d: rollout.max_obs_tokens (%d) cut the passages of %.0f%% of the "
                     "observations; a policy trained on whole ones may misread them", done,
                     run.cfg.rollout.max_obs_tokens, 100 * metrics["rollout/obs_cut"])
+
+
+def write_rollout_sample(run: Run, step: int, records: list[dict]) -> Path:
+    """`<run_dir>/rollout_samples/step_NNNNNN.json`: the step's first SAMPLE_GROUPS groups of
+    `records` (rollout_records rows; at most SAMPLE_TRAJECTORIES), each with its question and
+    gold answers. A resumed run that redoes the step writes the file again."""
+    groups = list(dict.fromkeys(r["group"] for r in records))[:SAMPLE_GROUPS]
+    picked = [r for r in records if r["group"] in groups][:SAMPLE_TRAJECTORIES]
+    rows = []
+    for r in picked:
+        q = run.questions.get(r["question_id"])
+        rows.append({"question": q.question if q else None,
+                     "golden_answers": list(q.golden_answers) if q else None, **r})
+    path = Path(run.cfg.run_dir) / SAMPLE_DIR / f"step_{step:06d}.json"
+    path.parent.mkdir(exist_ok=True)
+    atomic_write_json(path, {"step": step, "trajectories": len(records), "sample": rows})
+    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -855,15 +886,16 @@ def turn_metrics(adv: TokenAdvantages, num_turns_B: torch.Tensor) -> dict:
 
 def rollout_records(tok, trajs: list[Trajectory], adv_BK: torch.Tensor,
                     num_turns_B: torch.Tensor) -> list[dict]:
-    """rollouts.jsonl rows: per trajectory its group, index in the group, reward, per-turn
-    advantages and turns (text, stop, query)."""
+    """rollouts.jsonl rows: per trajectory its question id, group, index in the group, reward,
+    per-turn advantages and turns (text, stop, query)."""
     seen: Counter = Counter()
     out = []
     for b, t in enumerate(trajs):
         turns = [{"turn": k, "stop": x.stop, "query": x.query,
                   "text": tok.decode(list(x.action_ids), skip_special_tokens=True)}
                  for k, x in enumerate(t.turns)]
-        out.append({"group": str(t.group_id), "index": seen[t.group_id],
+        out.append({"question_id": t.question_id, "group": str(t.group_id),
+                    "index": seen[t.group_id],
                     "reward": float(t.reward),
                     "advantages": adv_BK[b, : int(num_turns_B[b])].tolist(), "turns": turns})
         seen[t.group_id] += 1
@@ -986,7 +1018,7 @@ def _tracker(cfg: TrainConfig) -> Tracker:
     a = cfg.method.advantage
     tags = {"method": cfg.method.id, "backbone": cfg.backbone.id, "seed": str(cfg.seed),
             "beta": format_value(a.beta), "gamma": format_value(a.gamma), "cell": cfg.cell,
-            "stage": "train"}
+            "stage": "train", STUDY_RUN_TAG: study_run_name(cfg.study)}
     return Tracker(run_dir, cfg.tracking, study=cfg.study, run_name=run_name(cfg),
                    tags=tags, params=cfg, config_file=run_dir / "config.yaml",
                    results_dir=cfg.results_dir)
@@ -1023,6 +1055,12 @@ class _NoTracker:
         pass
 
     def summary(self, metrics) -> None:
+        pass
+
+    def log_artifact(self, path, artifact_path=None) -> None:
+        pass
+
+    def log_inputs(self, datasets) -> None:
         pass
 
 

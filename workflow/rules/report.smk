@@ -1,6 +1,8 @@
 # Tables and plots over the cells of the default sets (results/<study>/tables, plots), and for
 # each other set over the default cells plus its own, or its own only for a set trained under a
-# regime (results/<study>/tables/<set>/, results/<study>/set_plots/<set>/).
+# regime (results/<study>/tables/<set>/, results/<study>/set_plots/<set>/). Each rule also logs
+# its outputs into the study's MLflow run (a set's: a run of its own), tagged kind=study
+# (--study-run: a2tgpo/report/study_run.py; best effort, links in results/<study>/mlflow/).
 
 
 TABLES = ["main", "ablation_a2tgpo", "ablation_at2po", "credit_at2po", "beta", "paired"]
@@ -26,7 +28,8 @@ rule tables:
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
-        "a2tgpo tables --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/tables > {log:q} 2>&1"
+        "a2tgpo tables --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/tables "
+        "--study-run > {log:q} 2>&1"
 
 
 rule plots:
@@ -48,7 +51,8 @@ rule plots:
     params:
         cells=[run_dir(c.path) for c in DEFAULT_CELLS],
     shell:
-        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/plots > {log:q} 2>&1"
+        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {R:q}/plots "
+        "--study-run > {log:q} 2>&1"
 
 
 rule set_tables:
@@ -65,7 +69,7 @@ rule set_tables:
         cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     shell:
         "a2tgpo tables --cells {params.cells:q} --config {input.cfg:q} "
-        "--out {R:q}/tables/{wildcards.set} > {log:q} 2>&1"
+        "--out {R:q}/tables/{wildcards.set} --study-run --set {wildcards.set:q} > {log:q} 2>&1"
 
 
 rule set_plots:
@@ -81,7 +85,8 @@ rule set_plots:
     params:
         cells=lambda wc: [run_dir(c.path) for c in set_cells(wc.set)],
     shell:
-        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {output:q} > {log:q} 2>&1"
+        "a2tgpo plots --cells {params.cells:q} --config {input.cfg:q} --out {output:q} "
+        "--study-run --set {wildcards.set:q} > {log:q} 2>&1"
 
 
 wildcard_constraints:
