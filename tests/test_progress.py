@@ -31,7 +31,7 @@ def test_a_loop_into_a_file_writes_one_plain_line_per_update(tmp_path):
     log = tmp_path / "job.log"
     with open(log, "w") as f:
         subprocess.run([sys.executable, "-c", LOOP], stderr=f, check=True, timeout=60)
-    text = log.read_text()
+    text = log.read_bytes().decode()  # read_text() would turn each \r into \n
     assert "\r" not in text and "|█" not in text  # no redraws, no bar frames
     lines = [ln.split("a2tgpo.progress: ", 1)[1] for ln in text.splitlines()
              if "a2tgpo.progress: " in ln]
