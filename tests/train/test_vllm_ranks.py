@@ -52,7 +52,9 @@ TOL = 1e-4
 PROBE = "Who directed The Silent Harbor? <search> film director </search>"
 
 # the rollout's wall-clock numbers (rl.ROLLOUT_TIMES), like time/*
-ROLLOUT_WALL_CLOCK = tuple(f"rollout/{k}" for k in ROLLOUT_TIMES)
+# and, per trajectory, the retriever calls: searches that end together share one call, so their
+# count follows the timing (the trajectories do not: rollouts.jsonl is compared whole)
+ROLLOUT_WALL_CLOCK = (*(f"rollout/{k}" for k in ROLLOUT_TIMES), "rollout/retrieval_calls")
 
 
 def _free_port() -> int:

@@ -201,7 +201,12 @@ def test_toy_dag_end_to_end(workdir):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{res.resolve() / 'mlflow.db'}")
     exp = client.get_experiment_by_name("toy")
-    runs = client.search_runs([exp.experiment_id])
+    everything = client.search_runs([exp.experiment_id])
+    # the study's own run (tables and plots, tag kind=study) beside one run per cell
+    [study_run] = [r for r in everything if r.data.tags.get("kind") == "study"]
+    assert "tables/main.md" in {a.path for a in client.list_artifacts(
+        study_run.info.run_id, "tables")}
+    runs = [r for r in everything if r.data.tags.get("kind") != "study"]
     assert sorted(r.data.tags["cell"] for r in runs) == sorted(CELLS)
     for run in runs:
         assert run.info.status == "FINISHED"
