@@ -348,6 +348,11 @@ def write_results(out_dir: str | Path, test_sets: Sequence[EvalDataset],
             atomic_write_jsonl(tmp / f"{name}.predictions.jsonl", predictions[name])
             atomic_write_json(tmp / f"{name}.json", record)
         atomic_write_json(tmp / SUMMARY_FILE, summary)
+        # the evaluation's tracker (open since before the evaluation) logs into
+        # <out_dir>/tracking: moved, not copied, so its open files go with the new folder
+        tracking = Path(out_dir) / TRACKING_SUBDIR
+        if tracking.is_dir():
+            tracking.rename(tmp / TRACKING_SUBDIR)
     return summary
 
 
