@@ -10,7 +10,6 @@ CPU: the same final weights and the same logged metrics for every step (timings 
 """
 
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 
 import pytest
 import torch
+from conftest import learned_summary
 
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.config import dump_config
@@ -141,13 +141,7 @@ def test_sigkill_then_rerun_matches_uninterrupted(toy_train_config, tmp_path):
         read_metrics(runs["straight"], "rollouts.jsonl")
     for step in rows_a:
         assert rows_a[step] == rows_b[step], f"step {step} metrics differ"
-    assert _summary(runs["straight"]) == _summary(runs["killed"])
-
-
-def _summary(run_dir):
-    """summary.json without the job's peak memory (a measurement, like the timings)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {k: v for k, v in summary.items() if not k.startswith("peak_memory/")}
+    assert learned_summary(runs["straight"]) == learned_summary(runs["killed"])
 
 
 def _start_weights(toy_train_config, tmp_path):
