@@ -1,7 +1,6 @@
 """Shared test setup: GPU tests skip with a reason where no CUDA device is visible; a copy of
 the workflow files for tests that run Snakemake; huggingface_hub pointed at a private home."""
 
-import json
 import shutil
 from pathlib import Path
 
@@ -35,13 +34,6 @@ def workdir(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     (tmp_path / "assets").symlink_to(ROOT / "assets")  # the shipped toy reader, read-only
     return tmp_path
-
-
-def learned_summary(run_dir) -> dict:
-    """A run's summary.json without the job's peak memory: a measurement, like the timings, so
-    two runs that learned the same thing may differ there."""
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    return {k: v for k, v in summary.items() if not k.startswith("peak_memory/")}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import learned_summary
+from run_records import learned_summary
 
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.config import dump_config

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import learned_summary
+from run_records import learned_summary
 
 from a2tgpo.tracking import read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
