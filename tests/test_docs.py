@@ -1,7 +1,9 @@
-"""Every command the README shows, and every example in `a2tgpo ... --help`, works as written.
+"""Every command the README and docs/*.md show, and every example in `a2tgpo ... --help`, works
+as written.
 
-The commands are extracted from the README's ```bash blocks and the CLI's help texts, and each
-one must match an entry of CHECKS, which says how it is checked:
+The commands are extracted from the ```bash blocks of README.md and of every page in docs/, and
+from the CLI's help texts, and each one must match an entry of CHECKS, which says how it is
+checked:
 
   run     executed (outputs under /tmp go to tmp_path; `rerun` with --dry-run, which resolves
           the study and the one cell its selectors name, and prints what it would run)
@@ -14,7 +16,7 @@ one must match an entry of CHECKS, which says how it is checked:
   serve   a server: started, answered one request, stopped
   env     environment set-up: the script exists and is valid bash, or a PATH change
 
-A README command no entry matches fails the test, so a new one cannot go unchecked.
+A documented command no entry matches fails the test, so a new one cannot go unchecked.
 """
 
 import os
@@ -33,16 +35,32 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def readme_commands() -> list[str]:
-    """The README's shell commands: ```bash blocks, continuation lines joined, comments cut."""
-    text = (ROOT / "README.md").read_text()
+BASH_BLOCK = re.compile(r"^\s*```bash\n(.*?)^\s*```", flags=re.M | re.S)
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then every page of docs/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def bash_commands(page: Path) -> list[str]:
+    """A page's shell commands: ```bash blocks, continuation lines joined, comments cut."""
     commands = []
-    for block in re.findall(r"^\s*```bash\n(.*?)^\s*```", text, flags=re.M | re.S):
+    for block in BASH_BLOCK.findall(page.read_text()):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             argv = shlex.split(line, comments=True)
             if argv:
                 commands.append(shlex.join(argv))
     return commands
+
+
+def readme_commands() -> list[str]:
+    return bash_commands(ROOT / "README.md")
+
+
+def documented_commands() -> list[str]:
+    """Every page's commands, each once (a page may repeat another's), the README's first."""
+    return list(dict.fromkeys(c for page in doc_pages() for c in bash_commands(page)))
 
 
 def help_commands() -> list[str]:
@@ -80,13 +98,25 @@ def how(command: str) -> str | None:
 
 
 def test_every_documented_command_has_a_check():
-    commands = readme_commands() + help_commands()
     # the README's first two commands are the contract: the main job, then the tests
-    assert commands[:2] == ["./run snakemake", "./run pytest"]
+    assert readme_commands()[:2] == ["./run snakemake", "./run pytest"]
     assert "./run pytest" in (ROOT / ".ci/run").read_text()
-    assert len(commands) >= 20, commands  # the extraction finds the blocks
-    unchecked = [c for c in commands if how(c) is None]
+    found = {page.relative_to(ROOT).as_posix(): bash_commands(page) for page in doc_pages()}
+    found["a2tgpo ... --help"] = help_commands()
+    assert sum(map(len, found.values())) >= 20, found  # the extraction finds the blocks
+    unchecked = [f"{where}: {c}" for where, commands in found.items() for c in commands
+                 if how(c) is None]
     assert not unchecked, f"documented commands with no check in CHECKS: {unchecked}"
+
+
+def test_every_bash_block_of_every_page_is_read():
+    # a shell fence the pattern misses (```sh, ```console, text after the language) would
+    # hide its commands from every test here
+    for page in doc_pages():
+        text = page.read_text()
+        fences = re.findall(r"^[ \t]*```(?:bash|sh|shell|console|zsh)\b.*$", text, flags=re.M)
+        assert len(BASH_BLOCK.findall(text)) == len(fences), f"{page}: {fences}"
+    assert any("docs" in page.parts for page in doc_pages())
 
 
 def _local(command: str, tmp_path: Path) -> list[str]:
@@ -104,7 +134,7 @@ def _env():
 def test_documented_parse_commands_parse(tmp_path):
     from a2tgpo.cli import parse_args
 
-    for command in readme_commands() + help_commands():
+    for command in documented_commands() + help_commands():
         if how(command) != "parse":
             continue
         argv = shlex.split(re.sub(r"<[a-z]+>", "x", command))  # <cell>, <host>: any value
@@ -118,7 +148,7 @@ def test_documented_parse_commands_parse(tmp_path):
 
 def test_documented_run_commands_work(tmp_path, capsys):
     ran = []
-    for command in readme_commands() + help_commands():
+    for command in documented_commands() + help_commands():
         if how(command) != "run":
             continue
         argv = _local(command, tmp_path)
@@ -143,7 +173,7 @@ def test_documented_run_commands_work(tmp_path, capsys):
 
 
 def test_documented_env_commands_exist():
-    for command in readme_commands():
+    for command in documented_commands():
         script = next((a for a in shlex.split(command) if a.endswith(".sh")), None)
         if how(command) == "env" and script:
             assert (ROOT / script).is_file(), command
@@ -154,7 +184,7 @@ def test_documented_env_commands_exist():
 
 @pytest.mark.expensive
 def test_documented_gpu_test_command_selects_tests():
-    assert ".venv-gpu/bin/python -m pytest -m gpu" in readme_commands()
+    assert ".venv-gpu/bin/python -m pytest -m gpu" in documented_commands()
     # the same selection in this environment (the tests skip here without a GPU)
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
                         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
@@ -171,7 +201,7 @@ def _free_port() -> int:
 
 @pytest.mark.expensive
 def test_documented_servers_start(tmp_path):
-    for command in readme_commands():
+    for command in documented_commands():
         if how(command) != "serve":
             continue
         port = str(_free_port())
@@ -216,7 +246,7 @@ def _sweep_journal(directory: Path) -> None:
 def _dry_runs() -> dict[tuple[str, ...], list[str]]:
     """Snakemake commands grouped by their arguments other than targets: flags -> targets."""
     groups: dict[tuple[str, ...], list[str]] = {}
-    for command in readme_commands():
+    for command in documented_commands():
         if how(command) == "parse" and " -- snakemake " in command:  # rehearse -- snakemake
             command = command[command.index(" -- ") + 4:]
         elif how(command) != "dry":
