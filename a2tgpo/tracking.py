@@ -307,7 +307,7 @@ def _prepare_store(cfg: TrackingConfig, results_dir: str | Path) -> str:
 
 # What the experiment is, for MLflow's UI and API (3.x): model training, not a GenAI app. The 3.17
 # UI still opens on the traces overview until "Model training" is picked in its sidebar (or the
-# URL has ?workflowType=machine_learning): the README says so.
+# URL has ?workflowType=machine_learning): docs/mlflow.md says so.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 

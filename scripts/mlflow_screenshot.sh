@@ -17,7 +17,7 @@
 #   experiment  #/experiments/<id>, the experiment list's link, in a browser that never chose:
 #               the GenAI overview (empty traces charts) with MLflow 3.17.2.
 #   grouped     the runs table grouped by the `method` tag, each method's row the average over
-#               its seeds, filtered to the backbone (README "Methods over seeds"):
+#               its seeds, filtered to the backbone (docs/mlflow.md, "Methods over seeds"):
 #               #/experiments/<id>/runs?viewStateShareKey=by_method, a view saved in the tag
 #               mlflow.sharedViewState.by_method as the UI's "Save view" saves one (the page's
 #               state: groupBy, selectedColumns, searchFilter, chartsSearchFilter)
@@ -69,7 +69,7 @@ for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo"
 from mlflow import MlflowClient
 
 client = MlflowClient(tracking_uri=f"sqlite:///{store.resolve() / 'mlflow.db'}")
-# the README's comparison as a saved view (the runs page's Views list): the tag the UI's "Save
+# docs/mlflow.md's comparison as a saved view (the runs page's Views list): the tag the UI's "Save
 # view" writes, {name, createdAt, updatedAt, state}, state being the page's state as JSON text
 view = {"searchFilter": 'tags.backbone = "toy"',
         "groupBy": {"aggregateFunction": "average",

@@ -54,7 +54,7 @@ def test_runs_page_shows_the_runs_with_method_first(tmp_path):
     assert sorted(set(names)) == RUN_NAMES, names
     assert "Detect Issues" not in text and "No data available" not in text  # traces overview
 
-    # the README's comparison of methods over seeds, opened from its saved view: grouped by the
+    # docs/mlflow.md's comparison of methods over seeds, opened from its saved view: grouped by the
     # method tag, a method's row the average of its two seeds' test/multi_hop/em (the script
     # logs 0.3 + shift: grpo 0.30 and 0.26, a2tgpo 0.40 and 0.36)
     _, text = page(tmp_path / "grouped.html")
