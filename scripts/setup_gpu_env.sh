@@ -85,8 +85,8 @@ gpu_check() {
         echo "setup_gpu_env: NVIDIA driver $old is too old: torch 2.14.0 and vLLM 0.33.0" \
             "(requirements/gpu.txt) are PyPI's CUDA 13.0 builds, which need driver >=" \
             "$MIN_DRIVER. Have the nodes' driver updated to $MIN_DRIVER or newer, or install" \
-            "CUDA 12.8/12.9 builds of the same versions yourself (README, \"Installing" \
-            "elsewhere\"). Nothing was downloaded." >&2
+            "CUDA 12.8/12.9 builds of the same versions yourself (docs/cluster.md," \
+            "\"Installing on GPU nodes\"). Nothing was downloaded." >&2
     fi
     if [[ -n "$modes" ]]; then
         echo "setup_gpu_env: every GPU must be in compute mode Default:$modes each GPU holds a" \
