@@ -5,7 +5,7 @@ skill carries over to questions it has not seen.
 Why it exists. A toy backbone warm-started on the study's own world memorises that world: the
 default one scored EM 0.92 on the questions its demonstrations covered and 0.45 on held-out
 ones, and RL then learned per-question answers that did not carry to the dev questions (dev EM
-within 0.42-0.50 of the warm start's 0.45 whatever the method, sessions 9-13 in the README).
+within 0.42-0.50 of the warm start's 0.45 whatever the method: docs/toy-lab.md, 2026-11 to 12-03).
 A real search agent starts from a model pretrained elsewhere that already reads; this is the
 toy's version of that model, trained once and used by a study the way a released backbone is:
 a backbone file whose `path` is the reader's folder (needs_build: false, so no warm start).
