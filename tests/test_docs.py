@@ -119,6 +119,48 @@ def test_every_bash_block_of_every_page_is_read():
     assert any("docs" in page.parts for page in doc_pages())
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_resolve():
+    # a page moved or a heading renamed leaves its links behind: each relative link must name a
+    # file of the checkout and, with #anchor, a heading of that page
+    broken = []
+    for page in doc_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):  # http(s):, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+COMMAND = r"`(\./run\b|\.venv-\w+/bin/|bash |\.ci/run)[^`]*`"
+DATE = r"\b20\d\d-\d\d-\d\d\b"
+
+
+def test_every_result_names_its_command_and_date():
+    # docs/results.md: each section says what reproduces its numbers and when it was measured
+    sections = re.split(r"^## ", (ROOT / "docs/results.md").read_text(), flags=re.M)[1:]
+    assert len(sections) >= 5
+    for section in sections:
+        title = section.splitlines()[0]
+        assert re.search(COMMAND, section), f"docs/results.md, {title!r}: no command"
+        assert re.search(DATE, section), f"docs/results.md, {title!r}: no date"
+    # a dated measurement in the README names its command in the same paragraph
+    for paragraph in re.split(r"\n\s*\n", (ROOT / "README.md").read_text()):
+        if re.search(DATE, paragraph):
+            assert re.search(COMMAND, paragraph), f"README.md: no command in {paragraph!r}"
+
+
 def _local(command: str, tmp_path: Path) -> list[str]:
     """argv of a documented command for this machine: ./run's environment, outputs in tmp."""
     argv = shlex.split(command.replace("/tmp/", f"{tmp_path}/"))
