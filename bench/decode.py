@@ -5,8 +5,8 @@ prompt) and the cell's sampled training rollouts.
 Levers, each added to the one before: `sdpa` attention with transformers' DynamicCache (stock:
 both copy the whole KV cache at every decoded token, the attention to repeat the grouped key
 and value heads, the cache to append by torch.cat); the grouped heads passed to torch's kernel
-uncopied (`a2tgpo.model.backbone.ATTENTION`); the in-place appending cache
-(`hf_engine._decode_cache`); the prompts' common prefix run once (`HfEngine.common_prefix`).
+uncopied (`a2tgpo.model.fast_decode.ATTENTION`); the in-place appending cache
+(`fast_decode.new_cache`); the prompts' common prefix run once (`HfEngine.common_prefix`).
 Every configuration keeps the prefix cache across turns (bench/rollout_prefix.py measures that).
 For each repetition each runs `runner.rollout` over the first --questions dev questions, the
 configurations interleaved; the median seconds, the ratio to stock, and whether the
@@ -27,20 +27,24 @@ from toy_cell import add_cell_args, load_cell
 
 
 def main() -> None:
-    from a2tgpo.model.backbone import ATTENTION
+    from a2tgpo.model.fast_decode import STOCK_ATTENTION, register_attention, use_fast_path
     from a2tgpo.rollout.hf_engine import HfEngine
     from a2tgpo.rollout.runner import rollout
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_cell_args(ap, questions=60)
     a = ap.parse_args()
+    if not use_fast_path():  # the engine would fall back: every row would measure stock
+        raise SystemExit("this transformers is not one the fast path was verified against "
+                         "(a2tgpo/model/fast_decode.py VERIFIED)")
+    fast = register_attention()
     cfg, tok, model, tool, qs = load_cell(a.cell, a.questions)
     # name -> (attention, engine keyword arguments)
     configs = {
-        "stock": ("sdpa", dict(append_cache=False, common_prefix=False)),
-        "+ gqa attention": (ATTENTION, dict(append_cache=False, common_prefix=False)),
-        "+ append cache": (ATTENTION, dict(append_cache=True, common_prefix=False)),
-        "+ common prefix": (ATTENTION, dict(append_cache=True, common_prefix=True)),
+        "stock": (STOCK_ATTENTION, dict(fast_path=False, common_prefix=False)),
+        "+ gqa attention": (fast, dict(fast_path=False, common_prefix=False)),
+        "+ append cache": (fast, dict(fast_path=True, common_prefix=False)),
+        "+ common prefix": (fast, dict(fast_path=True, common_prefix=True)),
     }
     for greedy, n_q in ((True, len(qs)), (False, min(8, len(qs)))):
         secs: dict[str, list[float]] = {k: [] for k in configs}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from a2tgpo.config import load_config, option
+from a2tgpo.model.fast_decode import attention
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ class BackboneConfig:
     architecture: ArchitectureConfig | None = option(
         None, "The model's config.json sizes for `a2tgpo plan` before the weights are on disk "
         "(null: read config.json from the path or the hub cache).")
+    fast_path: bool = option(
+        True, "Load and decode through a2tgpo/model/fast_decode.py (an attention that never "
+        "copies grouped key/value heads on CPU; the hf engine's KV cache that appends in "
+        "place): used only where the installed transformers is a version it was verified "
+        "against, else transformers' stock path with a log line. false = always the stock "
+        "path (sdpa attention, DynamicCache): the same ids and log-probs, slower.")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 16:
@@ -138,53 +145,15 @@ def load_tokenizer(cfg: BackboneConfig):
     return tok
 
 
-# transformers' sdpa attention, but grouped-query heads are never copied on CPU (_gqa_sdpa)
-ATTENTION = "a2tgpo_sdpa"
-
-
-def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' `sdpa` attention, except on CPU with a mask and grouped-query heads, where
-    torch's `enable_gqa` replaces transformers' copy of each key/value head per query head.
-    Shapes: query (B, H, q, d), key/value (B, H_kv, k, d) -> (B, q, H, d).
-
-    transformers copies the heads whenever a mask is given (CUDA's fused kernels take no masked
-    GQA); on CPU torch's kernel does, and the copy of the whole KV cache at every decoded token
-    was 15% of a toy training run's time (bench/decode.py measures the gain). The output is
-    the same to the bit."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (query.device.type != "cpu" or attention_mask is None
-            or getattr(module, "num_key_value_groups", 1) == 1
-            or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    import torch
-
-    # with a mask, transformers' sdpa is never causal: the mask carries causality
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_attention() -> str:
-    """Register ATTENTION with transformers (idempotent) and return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _gqa_sdpa)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks sdpa takes
-    return ATTENTION
-
-
 def load_model(cfg: BackboneConfig, device: str = "cpu"):
     """The causal LM on `device`, in the configured dtype, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(cfg.dtype, device)
     log.info("loading %s from %s (%s, %s)", cfg.id, cfg.path, dtype, device)
-    # sdpa: torch's flash / memory-efficient kernels where the mask allows, and the 4D masks
-    # the IG pass's probes need (rollout/info_gain.py), which flash-attention-2 does not take
+    # sdpa or its fast variant: torch's flash / memory-efficient kernels where the mask
+    # allows, and the 4D masks the IG pass's probes need (rollout/info_gain.py), which
+    # flash-attention-2 does not take
     model = AutoModelForCausalLM.from_pretrained(cfg.path, revision=cfg.revision, dtype=dtype,
-                                                 attn_implementation=register_attention())
+                                                 attn_implementation=attention(cfg.fast_path))
     return model.to(device).eval()

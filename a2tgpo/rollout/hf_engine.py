@@ -14,10 +14,10 @@ entries live for one call and are dropped when the weights change (parameter ver
 prompts' longest common prefix (the instructions every question shares) is run once per call
 and kept the same way, for the first wave of an evaluation's different questions.
 
-Decoding appends each token's keys and values in place (`_decode_cache`) and, on CPU, attends
-with grouped-query heads uncopied (`a2tgpo.model.backbone.ATTENTION`): transformers copies the
-whole cache at every token for both. With the common prefix: greedy evaluation 1.9x, sampled
-rollouts 1.8x faster than transformers' stock path, the same trajectories (bench/decode.py).
+Decoding appends each token's keys and values in place, where transformers' `DynamicCache`
+copies the whole cache at every token (`a2tgpo.model.fast_decode.new_cache`: only on the
+transformers versions it was verified against; `fast_path=False` forces the stock cache).
+bench/decode.py measures it against the stock path.
 
 Context: with `max_model_len` (the backbone's), as in vLLM, a row stops ("length") when its
 prompt and sampled ids fill the context, and a prompt that leaves no room is refused. The
@@ -31,64 +31,14 @@ float effects of padding on the forward pass).
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
+from a2tgpo.model.fast_decode import new_cache
 from a2tgpo.rollout.engine import Generation, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _decode_cache():
-    """A `DynamicCache` whose layers append in place (`_AppendLayer`)."""
-    return _decode_cache_class()()
-
-
-@functools.cache
-def _decode_cache_class():
-    """The class, made once (transformers is imported lazily, as everywhere in this module)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class _AppendLayer(DynamicLayer):
-        """Keys and values are views of buffers with spare columns: a decoded token is written
-        into the next column, where `DynamicLayer` copies the whole cache (torch.cat) at every
-        token, O(n^2) over a turn (bench/decode.py). Shapes: keys, values (B, H_kv, n, d)."""
-
-        _k = _v = None  # buffers (B, H_kv, capacity, d); keys = _k[:, :, :n]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, m = self.get_seq_length(), key_states.shape[-2]
-            # a new buffer when full, or when another method replaced the views
-            if (self._k is None or n + m > self._k.shape[-2]
-                    or (n and self.keys.data_ptr() != self._k.data_ptr())):
-                B, H, _, d = key_states.shape
-                cap = 2 * (n + m) + 64
-                k, v = key_states.new_empty(B, H, cap, d), value_states.new_empty(B, H, cap, d)
-                if n:
-                    k[:, :, :n], v[:, :, :n] = self.keys, self.values
-                self._k, self._v = k, v
-            self._k[:, :, n: n + m], self._v[:, :, n: n + m] = key_states, value_states
-            self.keys, self.values = self._k[:, :, : n + m], self._v[:, :, : n + m]
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices) -> None:
-            n = self.get_seq_length()
-            if n and self._k is not None and self.keys.data_ptr() == self._k.data_ptr():
-                self._k, self._v = self._k[indices], self._v[indices]
-                self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
-            else:
-                super().batch_select_indices(indices)
-
-    class _DecodeCache(DynamicCache):
-        def __init__(self):
-            Cache.__init__(self, layer_class_to_replicate=_AppendLayer)
-
-    return _DecodeCache
 
 
 class HfEngine:
@@ -96,7 +46,7 @@ class HfEngine:
 
     def __init__(self, model, tokenizer, *, eos_token_ids: list[int] | None = None,
                  max_batch: int = 64, prefix_cache_bytes: int = 1 << 30,
-                 append_cache: bool = True, common_prefix: bool = True,
+                 fast_path: bool = True, common_prefix: bool = True,
                  max_model_len: int | None = None):
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -117,8 +67,9 @@ class HfEngine:
         self.tokens_prefilled = 0  # prompt tokens run through the model
         self.tokens_reused = 0  # prompt tokens whose keys/values came from the prefix cache
         self.prefix_cache_bytes = prefix_cache_bytes  # 0: no prefix cache, no shared prompts
-        # False: transformers' DynamicCache / no common prefix (the baselines of bench/decode.py)
-        self.append_cache = append_cache
+        # the baselines of bench/decode.py: fast_path False = transformers' DynamicCache (so
+        # is an unverified transformers), common_prefix False = every prompt prefilled whole
+        self.fast_path = fast_path
         self.common_prefix = common_prefix
         # prompt + sampled ids (all but the last) -> per layer (keys, values), (kv_heads, n, d)
         self._kept: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -297,9 +248,7 @@ class HfEngine:
         self._kept_lengths = sorted({len(k) for k in self._kept}, reverse=True)
 
     def _new_cache(self):
-        from transformers import DynamicCache
-
-        return _decode_cache() if self.append_cache else DynamicCache()
+        return new_cache(self.fast_path)
 
     def _longest_kept(self, prompt: tuple[int, ...]):
         """The kept entry whose key is the longest prefix of `prompt`, and how many of its

@@ -45,7 +45,7 @@ import torch
 
 from a2tgpo.algo.logprobs import chunked_logprobs
 from a2tgpo.algo.methods import IGPO_TEMPLATE
-from a2tgpo.model.backbone import ATTENTION
+from a2tgpo.model.fast_decode import ATTENTION
 
 
 class Trajectory(NamedTuple):

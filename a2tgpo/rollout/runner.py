@@ -152,7 +152,8 @@ def make_engine(cfg: TrainConfig, model, tok, devices: tuple[int, ...] | None = 
     loads the backbone, on the local GPUs `devices` (None: as vLLM picks them; tensor parallel
     over `cfg.rollout_tp` of them), and receives weights by `update_weights`."""
     if cfg.engine == "hf":
-        return HfEngine(model, tok, max_model_len=cfg.backbone.max_model_len)
+        return HfEngine(model, tok, max_model_len=cfg.backbone.max_model_len,
+                        fast_path=cfg.backbone.fast_path)
     from a2tgpo.rollout.vllm_engine import VllmEngine  # optional, GPU nodes
 
     return VllmEngine(cfg.backbone.path, max_model_len=cfg.backbone.max_model_len,

@@ -38,6 +38,9 @@ OPERATIONAL = frozenset({
     "run_dir", "results_dir", "study", "tracking", "stop_margin_s", "schedule.keep_last",
     "schedule.optimizer_states", "engine_memory_share", "engine_kv_cache_gb", "engine_sleep",
     "weight_sync", "offload_optimizer",
+    # the stock path gives the fast path's ids and log-probs, and a transformers upgrade
+    # switches it without any config change (model/fast_decode.py)
+    "backbone.fast_path",
 })
 # keys that may grow: a run extended to more steps goes on from where it stopped (the data
 # order's epochs are seeded one by one and the learning rate is constant after warm-up, so its
