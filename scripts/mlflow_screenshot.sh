@@ -7,7 +7,7 @@
 #   NO_KIND_TAG=1 scripts/mlflow_screenshot.sh   # the same with the experiment's
 #                                                # mlflow.experimentKind tag removed afterwards
 #
-# Four pages, each as OUT_DIR/<page>.png (1400x900) and OUT_DIR/<page>.html (the DOM after the
+# Five pages, each as OUT_DIR/<page>.png (1400x900) and OUT_DIR/<page>.html (the DOM after the
 # page's scripts ran, for checks: tests/test_mlflow_ui.py), their addresses in OUT_DIR/urls:
 #
 #   runs        #/experiments/<id>?workflowType=machine_learning: the runs table. MLflow 3.17's
@@ -23,6 +23,10 @@
 #               state: groupBy, selectedColumns, searchFilter, chartsSearchFilter)
 #   grouped_charts  the same in the chart view (&compareRunsMode=CHART): a line per method, the
 #               mean of its seeds with a min-max band; the EM charts only
+#   artifacts   the first run's Artifacts tab opened on its predictions file
+#               (#/experiments/<id>/runs/<run id>/artifacts/eval/multi_hop.predictions.jsonl): the
+#               evidence folders training and evaluation log (rollouts/, eval/; one small file
+#               in each) and the file's text
 #
 # The store has four runs, two methods x two seeds, with five steps of train/reward and val/em
 # and a test/multi_hop/em summary, named by a2tgpo.cell.Cell.display_name as training names
@@ -44,17 +48,19 @@ STORE="$OUT/store"
 rm -rf "$STORE" && mkdir -p "$STORE"
 
 # the store, as the DAG's experiment rule and training jobs write it; prints the experiment id
-EXP_ID="$(cd "$ROOT" && NO_KIND_TAG="${NO_KIND_TAG:-}" ./run python - "$STORE" <<'EOF'
+IDS="$(cd "$ROOT" && NO_KIND_TAG="${NO_KIND_TAG:-}" ./run python - "$STORE" <<'EOF'
 import json, logging, os, sys, time
 from pathlib import Path
 
 from a2tgpo.cell import Cell
+from a2tgpo.eval.evaluate import EVIDENCE_DIR
 from a2tgpo.tracking import EXPERIMENT_KIND, Tracker, TrackingConfig, init_experiment
 
 logging.disable(logging.WARNING)
 store = Path(sys.argv[1])
 cfg = TrackingConfig()
 exp_id = init_experiment(cfg, study="toy", results_dir=store)
+first_run = None
 for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo", 0.3, 2), 0.06),
                     (Cell("toy", "grpo", 0.0, 1), 0.0), (Cell("toy", "grpo", 0.0, 2), -0.04)]:
     # named and tagged as training names and tags its runs (a2tgpo.train.rl.run_name)
@@ -66,6 +72,20 @@ for cell, shift in [(Cell("toy", "a2tgpo", 0.3, 1), 0.10), (Cell("toy", "a2tgpo"
         for step in range(1, 6):
             t.log({"train/reward": 0.1 * step + shift, "val/em": 0.05 * step + shift}, step)
         t.summary({"test/multi_hop/em": 0.3 + shift})
+        if first_run is None:
+            # the evidence a cell's run carries, under the folders training and evaluation log
+            # it to: a rollout sample and the test set's predictions (one line each)
+            first_run = t.run_id
+            evidence = store / "evidence"
+            (evidence / "rollouts").mkdir(parents=True)
+            (evidence / EVIDENCE_DIR).mkdir()
+            (evidence / "rollouts/step_5.json").write_text(json.dumps(
+                {"step": 5, "groups": [{"question": "Who founded Arvel?", "trajectories": []}]}))
+            (evidence / EVIDENCE_DIR / "multi_hop.predictions.jsonl").write_text(json.dumps(
+                {"question": "Who founded Arvel?", "gold": ["Ilsa Morn"],
+                 "prediction": "Ilsa Morn", "em": 1.0, "outcome": "correct"}) + "\n")
+            t.log_artifact(evidence / "rollouts/step_5.json", "rollouts")
+            t.log_artifact(evidence / EVIDENCE_DIR / "multi_hop.predictions.jsonl", EVIDENCE_DIR)
 from mlflow import MlflowClient
 
 client = MlflowClient(tracking_uri=f"sqlite:///{store.resolve() / 'mlflow.db'}")
@@ -82,9 +102,10 @@ client.set_experiment_tag(exp_id, "mlflow.sharedViewState.by_method", json.dumps
 if os.environ.get("NO_KIND_TAG"):
     for key in EXPERIMENT_KIND:
         client.delete_experiment_tag(exp_id, key)
-print(exp_id)
+print(exp_id, first_run, f"{EVIDENCE_DIR}/multi_hop.predictions.jsonl")
 EOF
 )"
+read -r EXP_ID RUN_ID EVIDENCE_FILE <<< "$IDS"
 
 PORT="$("$ROOT/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 EXP_URL="http://127.0.0.1:$PORT/#/experiments/$EXP_ID"
@@ -92,8 +113,9 @@ RUNS_URL="$EXP_URL?workflowType=machine_learning"
 # the link the UI's "Save view" gives (the runs tab's own route; /experiments/<id> drops it)
 GROUPED_URL="$EXP_URL/runs?viewStateShareKey=by_method"
 CHARTS_URL="$GROUPED_URL&compareRunsMode=CHART"
-printf 'runs %s\nexperiment %s\ngrouped %s\ngrouped_charts %s\n' "$RUNS_URL" "$EXP_URL" \
-    "$GROUPED_URL" "$CHARTS_URL" > "$OUT/urls"
+ARTIFACTS_URL="$EXP_URL/runs/$RUN_ID/artifacts/$EVIDENCE_FILE?workflowType=machine_learning"
+printf 'runs %s\nexperiment %s\ngrouped %s\ngrouped_charts %s\nartifacts %s\n' "$RUNS_URL" \
+    "$EXP_URL" "$GROUPED_URL" "$CHARTS_URL" "$ARTIFACTS_URL" > "$OUT/urls"
 
 # its own process group, so stopping it stops its workers too; one worker and no job runner
 # (judges, issue detection): the pages shown do not use them, and it starts faster
@@ -125,6 +147,7 @@ shoot runs "$RUNS_URL"
 shoot experiment "$EXP_URL"
 shoot grouped "$GROUPED_URL"
 shoot grouped_charts "$CHARTS_URL"
+shoot artifacts "$ARTIFACTS_URL"
 stop
 trap - EXIT
 
@@ -133,3 +156,4 @@ echo "runs table:      $OUT/runs.png       ($RUNS_URL)"
 echo "experiment page: $OUT/experiment.png ($EXP_URL)"
 echo "by method:       $OUT/grouped.png    ($GROUPED_URL)"
 echo "by method chart: $OUT/grouped_charts.png ($CHARTS_URL)"
+echo "run artifacts:   $OUT/artifacts.png  ($ARTIFACTS_URL)"

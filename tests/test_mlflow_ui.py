@@ -1,8 +1,10 @@
 """The MLflow UI shows a study's runs table, with run names that put method, β and seed first.
 
 scripts/mlflow_screenshot.sh makes a small store the way training does (a2tgpo.tracking, run
-names from Cell.display_name), serves it with `mlflow ui` on 127.0.0.1 and loads four pages in
-headless Chromium, keeping each page's DOM after its scripts ran. The test reads those DOMs.
+names from Cell.display_name), serves it with `mlflow ui` on 127.0.0.1 and loads five pages in
+headless Chromium (the runs table, the experiment link, the runs grouped by method, its chart
+view, one run's artifacts), keeping each page's DOM after its scripts ran. The test reads those
+DOMs.
 
 MLflow 3.17's UI opens an experiment on the page of its sidebar switch (GenAI / Model
 training): the URL's `workflowType` parameter, else the browser's last choice, else GenAI, whose
@@ -39,7 +41,7 @@ def page(path: Path) -> tuple[str, str]:
             re.sub(r"\s+", " ", html.unescape(text)))
 
 
-@pytest.mark.expensive  # `mlflow ui` and four Chromium page loads: ~60 s on 2 busy cores
+@pytest.mark.expensive  # `mlflow ui` and five Chromium page loads: ~60 s on 2 busy cores
 def test_runs_page_shows_the_runs_with_method_first(tmp_path):
     binary = chromium()
     if binary is None:
@@ -64,3 +66,9 @@ def test_runs_page_shows_the_runs_with_method_first(tmp_path):
     # the chart view draws a series per method (the group), not per run
     _, text = page(tmp_path / "grouped_charts.html")
     assert "grpo (test/multi_hop/em)" in text and "a2tgpo (test/multi_hop/em)" in text, text
+    # a run's Artifacts tab on its predictions file: the evidence folders (the script logs one
+    # file in each of rollouts/ and eval/ to the first run) and the file's line
+    _, text = page(tmp_path / "artifacts.html")
+    assert "a2tgpo β=0.3 seed 1 · toy" in text, text[:2000]
+    assert re.search(r"\beval\b.*\brollouts\b", text), text[:3000]
+    assert re.search(r'"prediction"\s*:\s*"Ilsa Morn"', text), text[:3000]
