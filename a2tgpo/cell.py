@@ -16,9 +16,11 @@ Standard library only, so the report does not import the training stack.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,3 +175,29 @@ def load_summary(path: str | Path) -> dict:
                         f"{path}: {section}.{name}.{metric}: expected a fraction in [0, 1], "
                         f"got {v!r}")
     return data
+
+
+# --------------------------------------------------------------------------------------------
+# a cell's archived runs (`a2tgpo rerun`, and training when its inputs changed)
+
+
+def archive_stamp() -> str:
+    """The name of an archived run folder: the UTC time of archiving."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def archive_dir(results_root: str, cell_path: str, stamp: str) -> Path:
+    """Where a cell's archived run goes: <results>/archive/<cell>/<stamp>/."""
+    return Path(results_root) / "archive" / cell_path / stamp
+
+
+def archive_run(results_root: str, cell: Cell, stamp: str) -> str | None:
+    """Move a cell's run folder to <results>/archive/<cell>/<stamp>/ (nothing is deleted);
+    returns the new location, or None when the cell never ran."""
+    src = Path(results_root) / "runs" / cell.path
+    if not src.exists():
+        return None
+    dst = archive_dir(results_root, cell.path, stamp)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(src), str(dst))
+    return str(dst)

@@ -202,7 +202,7 @@ def cmd_with_retriever(args) -> int:
     from pathlib import Path
 
     from a2tgpo.config import load_config
-    from a2tgpo.retrieval.sidecar import RetrieverStartError, run_with_retriever
+    from a2tgpo.ops.sidecar import RetrieverStartError, run_with_retriever
     from a2tgpo.train.config import TrainConfig
 
     command = args.passthrough
@@ -244,7 +244,7 @@ def cmd_fetch_model(args) -> int:
 def cmd_serve_hub(args) -> int:
     import time
 
-    from a2tgpo.hub import LocalHub, summary
+    from a2tgpo.ops.hub import LocalHub, summary
 
     if not 0 < args.timeout < float("inf"):
         raise ConfigError(f"serve-hub: --timeout: expected seconds > 0, got {args.timeout}")
@@ -260,11 +260,13 @@ def cmd_serve_hub(args) -> int:
 
 
 def cmd_rehearse(args) -> int:
-    from a2tgpo.rehearsal import rehearse
+    from a2tgpo.ops.rehearsal import rehearse
+    from a2tgpo.rehearsal_hub import prepare_hub
 
     if not args.passthrough:
         raise ConfigError("rehearse: name the command after `--`, e.g. -- snakemake --profile "
                           "slurm --configfile config/rehearsal.yaml")
+    prepare_hub(args.hub)
     return rehearse(args.passthrough, hub_dir=args.hub, host=args.host, port=args.port)
 
 
@@ -343,7 +345,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from a2tgpo.job_cpus import check_job_cpus
+    from a2tgpo.ops.job_cpus import check_job_cpus
     from a2tgpo.train.config import TrainConfig
     from a2tgpo.train.rl import train
 
@@ -372,7 +374,7 @@ def cmd_select(args) -> int:
 def cmd_evaluate(args) -> int:
     from a2tgpo.eval import evaluate
     from a2tgpo.eval.select import SelectionError
-    from a2tgpo.job_cpus import check_job_cpus
+    from a2tgpo.ops.job_cpus import check_job_cpus
 
     check_job_cpus("eval.threads")
     try:
@@ -424,15 +426,9 @@ def cmd_rerun(args) -> int:
     import subprocess
     import sys
 
-    from a2tgpo.grid import (
-        archive_dir,
-        archive_run,
-        archive_stamp,
-        cells_of,
-        match_cells,
-        validate_grid,
-    )
-    from a2tgpo.lock import FolderBusy, folder_lock, in_use
+    from a2tgpo.cell import archive_dir, archive_run, archive_stamp
+    from a2tgpo.grid import cells_of, match_cells, validate_grid
+    from a2tgpo.ops.lock import FolderBusy, folder_lock, in_use
     from a2tgpo.study import load_study
 
     study = load_study(args.configfile, args.overrides)
@@ -556,7 +552,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check_config(args) -> int:
-    from a2tgpo.study import check_study, load_study
+    from a2tgpo.study import load_study
+    from a2tgpo.study_checks import check_study
 
     study = load_study(args.config, args.overrides)
     checks = check_study(study, args.config)  # what Snakemake checks before it starts any job
@@ -638,7 +635,7 @@ def cmd_plots(args) -> int:
 def cmd_sweep_trial(args) -> int:
     from a2tgpo import sweep
     from a2tgpo.config import load_config
-    from a2tgpo.job_cpus import check_job_cpus
+    from a2tgpo.ops.job_cpus import check_job_cpus
     from a2tgpo.train.config import TrainConfig
 
     check_job_cpus("train.threads")  # a trial is a training job (rule sweep_trial; main()
@@ -1047,7 +1044,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "rehearse",
-        help="run the rehearsal study's command against its local hub (a2tgpo/rehearsal.py)",
+        help="run the rehearsal study's command against its local hub (a2tgpo/ops/rehearsal.py)",
         description="Build the rehearsal hub's repos (a tiny Qwen3-architecture backbone, an "
         "encoder, a wiki-18-format corpus with its prebuilt faiss index in parts, FlashRAG-shaped "
         "data) into --hub unless complete, serve them, run the command after `--` with "
@@ -1254,7 +1251,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[Exception], ...]:
     from a2tgpo.data.jsonl import DataFileError
     from a2tgpo.io import WriteFailed
-    from a2tgpo.lock import FolderBusy
+    from a2tgpo.ops.lock import FolderBusy
     from a2tgpo.retrieval.http import RetrieverError
     from a2tgpo.retrieval.index import IndexMismatch
 
@@ -1290,7 +1287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from a2tgpo import joblog
+    from a2tgpo.ops import joblog
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -1303,7 +1300,7 @@ def main(argv: list[str] | None = None) -> int:
         joblog.begin(_job_title(args), ["a2tgpo", *argv], _job_config(args))
     # a job started by the workflow ends with the Snakemake that started it (no orphans); the
     # retrieval server stops gracefully on SIGINT (it holds on through SIGTERM)
-    from a2tgpo.train.preemption import watch_anchor
+    from a2tgpo.ops.preemption import watch_anchor
 
     watch_anchor(signal.SIGINT if args.command == "serve-retriever" else signal.SIGTERM)
     start = time.perf_counter()

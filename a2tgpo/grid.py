@@ -343,32 +343,3 @@ def match_cells(cells: list[Cell], selectors: list[str]) -> list[Cell]:
         return True
 
     return [c for c in dict.fromkeys(cells) if ok(c)]
-
-
-def archive_stamp() -> str:
-    """The name of an archived run folder: the UTC time of archiving."""
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
-def archive_dir(results_root: str, cell_path: str, stamp: str):
-    """Where a cell's archived run goes: <results>/archive/<cell>/<stamp>/."""
-    from pathlib import Path
-
-    return Path(results_root) / "archive" / cell_path / stamp
-
-
-def archive_run(results_root: str, cell: Cell, stamp: str) -> str | None:
-    """Move a cell's run folder to <results>/archive/<cell>/<stamp>/ (nothing is deleted);
-    returns the new location, or None when the cell never ran."""
-    import shutil
-    from pathlib import Path
-
-    src = Path(results_root) / "runs" / cell.path
-    if not src.exists():
-        return None
-    dst = archive_dir(results_root, cell.path, stamp)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(src), str(dst))
-    return str(dst)

@@ -80,6 +80,7 @@ from pathlib import Path
 from a2tgpo.config import ConfigError
 from a2tgpo.io import atomic_write_json
 from a2tgpo.model.backbone import ArchitectureConfig, BackboneConfig, read_config_json
+from a2tgpo.study import encoder_dir, index_file, resolve_cell, study_cache, study_cells
 from a2tgpo.train.checkpoint import SAVE_SHARD_BYTES
 
 log = logging.getLogger(__name__)
@@ -588,8 +589,6 @@ def index_size(study) -> tuple[float, str]:
     """(bytes, how known) of the dense index file: its size on disk, else the download's
     expected_bytes, else corpus rows x the encoder's width x 4 B (a Flat index's vectors);
     (0, why) when none is known yet."""
-    from a2tgpo.study import encoder_dir, index_file
-
     path = Path(index_file(study))
     if path.is_file():
         return float(path.stat().st_size), f"{path} on disk"
@@ -707,8 +706,6 @@ def plan_cell(cfg, sizes: ModelSizes, *, on_gpu: bool, world: int, capacity: flo
 def _index_bytes(study, on_gpu: bool) -> float:
     """An in-process dense index on the training device: its file's size (0 if not built yet,
     or when a retrieval server holds it)."""
-    from a2tgpo.study import index_file
-
     r = study.retrieval
     if r.mode != "inprocess" or r.retriever != "dense" or (on_gpu and r.index.gpu == "off"):
         return 0.0
@@ -718,8 +715,6 @@ def _index_bytes(study, on_gpu: bool) -> float:
 
 def index_note(study) -> str:
     """Where the retrieval index sits, and its size when it is known."""
-    from a2tgpo.study import index_file
-
     r = study.retrieval
     if r.retriever != "dense":
         return f"retrieval: {r.retriever} in the rollout process (no dense index)"
@@ -747,8 +742,6 @@ def plan_study(study, sets: list[str] | None = None, assume: Assumptions = Assum
                ) -> list[CellPlan]:
     """The plan of every cell of the study's grid sets (all sets by default), in set order.
     The step-time simulations are kept in the study's cache folder (StudyConfig.cache_dir)."""
-    from a2tgpo.study import resolve_cell, study_cache, study_cells
-
     by_set = study_cells(study)
     cells = list(dict.fromkeys(c for name, cs in by_set.items()
                                if sets is None or name in sets for c in cs))
@@ -805,8 +798,6 @@ def plan_evals(study, sets: list[str] | None = None) -> list[EvalPlan]:
     engine's share of each GPU (eval.engine_memory_share; hf: the weights and the KV cache of
     a batch) and the server's shard; in host memory the processes, the policy weights (and
     on CPU the engine), and the server."""
-    from a2tgpo.study import resolve_cell, study_cells
-
     ev, train = study.eval, study.train
     first = {}
     for name, cs in study_cells(study).items():

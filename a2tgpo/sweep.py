@@ -58,7 +58,7 @@ from a2tgpo.config import (
     parse_override,
     to_dict,
 )
-from a2tgpo.lock import folder_lock
+from a2tgpo.ops.lock import folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -565,11 +565,11 @@ def _fmt(params: dict) -> str:
 
 def objective(run_dir: str | Path, metric: str, direction: str, *, trains: bool) -> float:
     """Best value of `metric` over the run's steps in metrics.jsonl (a resumed step's later row
-    wins), by checkpoint selection's rule (a2tgpo.eval.select.best_step): step 0, the starting
+    wins), by checkpoint selection's rule (a2tgpo.train.best.best_step): step 0, the starting
     policy, counts only for a method that does not train (every trial starts from it, so it
     would tie trials that training has not yet moved); `trains` = the trial's method.train."""
-    from a2tgpo.eval.select import best_step
     from a2tgpo.tracking import read_metrics
+    from a2tgpo.train.best import best_step
 
     try:
         rows = read_metrics(run_dir)

@@ -8,7 +8,7 @@ and value heads, the cache to append by torch.cat); the grouped heads passed to 
 uncopied (`a2tgpo.model.fast_decode.ATTENTION`); the in-place appending cache
 (`fast_decode.new_cache`); the prompts' common prefix run once (`HfEngine.common_prefix`).
 Every configuration keeps the prefix cache across turns (bench/rollout_prefix.py measures that).
-For each repetition each runs `runner.rollout` over the first --questions dev questions, the
+For each repetition each runs `episodes.rollout` over the first --questions dev questions, the
 configurations interleaved; the median seconds, the ratio to stock, and whether the
 trajectories (token ids) are those of stock. One thread, as the toy's jobs run.
 
@@ -29,7 +29,7 @@ from toy_cell import add_cell_args, load_cell
 def main() -> None:
     from a2tgpo.model.fast_decode import STOCK_ATTENTION, register_attention, use_fast_path
     from a2tgpo.rollout.hf_engine import HfEngine
-    from a2tgpo.rollout.runner import rollout
+    from a2tgpo.train.episodes import rollout
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_cell_args(ap, questions=60)

@@ -4,7 +4,7 @@ whole history, every row its own prompt), on one toy cell's real rollouts.
 
 A finished cell of the toy DAG gives everything (`./run snakemake` first): its config.yaml
 names the backbone (the toy reader), the corpus, the index and the dev questions. Both engines
-wrap the same model; for each repetition each runs `runner.rollout` (the cell's method shape,
+wrap the same model; for each repetition each runs `episodes.rollout` (the cell's method shape,
 sampled at the config's temperature, one seed) over the first --questions dev questions, the
 two interleaved; the median seconds over repetitions, the prompt tokens each prefilled, and
 whether the two produced the same trajectories (token ids; sampled rollouts may part where the
@@ -25,7 +25,7 @@ from toy_cell import add_cell_args, load_cell
 
 def main() -> None:
     from a2tgpo.rollout.hf_engine import HfEngine
-    from a2tgpo.rollout.runner import rollout
+    from a2tgpo.train.episodes import rollout
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_cell_args(ap, questions=16)

@@ -23,8 +23,8 @@ def load_cell(cell: str, questions: int):
     from a2tgpo.config import load_config
     from a2tgpo.model.backbone import load_model, load_tokenizer
     from a2tgpo.retrieval.retriever import build_retriever
-    from a2tgpo.rollout.runner import load_questions, search_tool
     from a2tgpo.train.config import TrainConfig
+    from a2tgpo.train.episodes import load_questions, search_tool
 
     torch.set_num_threads(1)
     cfg = load_config(TrainConfig, Path(cell) / "config.yaml")

@@ -67,7 +67,7 @@ def test_config_error_exit_code_and_message(tmp_path, capsys):
 # holds the run folder's lock as training does (rl._run_folder_lock), says so, then waits
 LOCK_HOLDER = """
 import sys, time
-from a2tgpo.lock import folder_lock
+from a2tgpo.ops.lock import folder_lock
 with folder_lock(sys.argv[1], "run folder"):
     print("held", flush=True)
     time.sleep(600)

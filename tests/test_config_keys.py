@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from a2tgpo.config import ConfigError, describe
-from a2tgpo.study import check_study, load_study, resolve_cell, study_cells
+from a2tgpo.study import load_study, resolve_cell, study_cells
+from a2tgpo.study_checks import check_study
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "config/config.yaml"
@@ -157,7 +158,7 @@ def test_a_cell_config_and_a_study_set_each_setting_in_one_place():
 
 def test_passages_per_search_and_their_length_are_the_retrieval_sections():
     from a2tgpo.retrieval.base import Hit
-    from a2tgpo.rollout.runner import search_tool
+    from a2tgpo.train.episodes import search_tool
 
     class Recording:
         def __init__(self):
@@ -291,7 +292,7 @@ def test_a_released_backbones_max_model_len_must_fit_its_config_json(tmp_path):
 
 
 def test_the_hf_engine_gets_the_backbones_max_model_len():
-    from a2tgpo.rollout.runner import make_engine
+    from a2tgpo.train.episodes import make_engine
 
     class Model:  # what HfEngine reads of a model before it samples
         generation_config = type("G", (), {"eos_token_id": 0})()

@@ -1,4 +1,4 @@
-"""a2tgpo/hub.py: huggingface_hub's own download functions against the local hub.
+"""a2tgpo/ops/hub.py: huggingface_hub's own download functions against the local hub.
 
 A folder with one model repo and one dataset repo is served; huggingface_hub 2.4's
 snapshot_download, hf_hub_download, list_repo_files and model_info must get exactly the files'
@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import json
 import logging
+import re
 import socket
 import sys
 import time
@@ -27,8 +28,8 @@ from huggingface_hub.errors import (
 )
 
 from a2tgpo.cli import parse_args
-from a2tgpo.hub import LocalHub, scan
-from a2tgpo.rehearsal import BUILT, rehearse
+from a2tgpo.ops.hub import LocalHub, scan
+from a2tgpo.ops.rehearsal import BUILT, rehearse
 
 
 @pytest.fixture
@@ -160,7 +161,7 @@ def test_symlinks_leaving_the_folder_are_not_served(folder, tmp_path, hf_home, c
     model = folder / "models/Org/Tiny"
     (model / "passwd").symlink_to(secret)
     (model / "inside.bin").symlink_to(model / "model.safetensors")  # stays in the folder
-    with caplog.at_level(logging.WARNING, logger="a2tgpo.hub"), LocalHub(folder) as hub:
+    with caplog.at_level(logging.WARNING, logger="a2tgpo.ops.hub"), LocalHub(folder) as hub:
         files = hub.repos[("models", "Org/Tiny")].files
         assert "passwd" not in files and "inside.bin" in files
         status, headers, _ = _get(hub, "/Org/Tiny/resolve/main/passwd")
@@ -218,7 +219,14 @@ def test_the_rehearsal_serves_on_loopback_unless_told(folder, tmp_path, caplog):
     (folder / BUILT).write_text(json.dumps({"passages": 0}))  # a built hub, as far as it asks
     out = tmp_path / "endpoint"
     show = f"import os; open({str(out)!r}, 'w').write(os.environ['HF_ENDPOINT'])"
-    with caplog.at_level(logging.INFO, logger="a2tgpo.rehearsal"):
+    with caplog.at_level(logging.INFO, logger="a2tgpo.ops.rehearsal"):
         assert rehearse([sys.executable, "-c", show], hub_dir=folder) == 0
     assert out.read_text().startswith("http://127.0.0.1:")
     assert "rehearsal hub (bound to 127.0.0.1: only jobs on this machine reach it" in caplog.text
+
+
+def test_the_rehearsal_refuses_a_hub_not_built(folder):
+    """`rehearse` serves a hub its build completed (hub.json, written last); `a2tgpo rehearse`
+    builds it first (rehearsal_hub.prepare_hub), a caller that did not gets the file named."""
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{folder / BUILT}: no such file")):
+        rehearse([sys.executable, "-c", "pass"], hub_dir=folder)

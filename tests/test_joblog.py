@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from a2tgpo import joblog
+from a2tgpo.ops import joblog
 
 A2TGPO = str(Path(sys.executable).parent / "a2tgpo")
 
@@ -101,7 +101,7 @@ def test_devices_read_from_the_driver_and_cuda_visible_devices(tmp_path):
 # faiss (its loader's fallbacks), DeepSpeed (its accelerator notice on a CPU-only machine) and
 # transformers (its weight-loading bar) imported and used as a job uses them
 NOISY = """
-from a2tgpo.joblog import setup_logging
+from a2tgpo.ops.joblog import setup_logging
 setup_logging()
 import faiss
 from deepspeed.accelerator import get_accelerator

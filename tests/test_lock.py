@@ -1,5 +1,5 @@
-"""One writer per folder (a2tgpo/lock.py) and jobs that end with their Snakemake (the anchor,
-a2tgpo/train/preemption.py). The other side of each lock is a real second process."""
+"""One writer per folder (a2tgpo/ops/lock.py) and jobs that end with their Snakemake (the anchor,
+a2tgpo/ops/preemption.py). The other side of each lock is a real second process."""
 
 import logging
 import os
@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from a2tgpo.lock import FolderBusy, folder_lock, in_use, lock_file
-from a2tgpo.train.preemption import ANCHOR_ENV, anchor_alive, anchor_value, watch_anchor
+from a2tgpo.ops.lock import FolderBusy, folder_lock, in_use, lock_file
+from a2tgpo.ops.preemption import ANCHOR_ENV, anchor_alive, anchor_value, watch_anchor
 
 # holds the lock of argv[1], says so on stdout, then waits to be killed
 HOLDER = """
 import sys, time
-from a2tgpo.lock import folder_lock
+from a2tgpo.ops.lock import folder_lock
 with folder_lock(sys.argv[1], "run folder"):
     print("held", flush=True)
     time.sleep(600)
@@ -60,7 +60,7 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path, holder, caplog)
     p = holder(run)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    with caplog.at_level(logging.INFO, "a2tgpo.lock"), folder_lock(run, "run folder"):
+    with caplog.at_level(logging.INFO, "a2tgpo.ops.lock"), folder_lock(run, "run folder"):
         pass
     assert f"took over the lock last held by pid {p.pid}" in caplog.text
 
@@ -107,7 +107,7 @@ def test_in_use_names_the_holder_and_changes_nothing(tmp_path, holder):
 # waits for SIGTERM (what watch_anchor sends once the anchor has ended), then says so
 WATCHER = """
 import signal, sys, time
-from a2tgpo.train.preemption import watch_anchor
+from a2tgpo.ops.preemption import watch_anchor
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 assert watch_anchor(poll_s=0.05) is not None

@@ -18,7 +18,7 @@ from a2tgpo.progress import LOG_INTERVAL_S, LineProgress, duration, eta_s, progr
 
 # a job's loop as the CLI runs it: logging set up by the same function, then a progress loop
 LOOP = """
-from a2tgpo.joblog import setup_logging
+from a2tgpo.ops.joblog import setup_logging
 from a2tgpo.progress import progress_bar
 setup_logging()
 bar = progress_bar(range(4), desc="demo", unit="step", mininterval=0)

@@ -203,7 +203,7 @@ def test_check_config_accepts_factories_and_encoders_that_build(capsys):
     ("Qwen//Qwen3-4B", "neither a local directory nor a hub id"),
 ])
 def test_check_config_refuses_a_backbone_path_no_job_could_load(tmp_path, path, message):
-    from a2tgpo.study import check_study
+    from a2tgpo.study_checks import check_study
 
     spec = yaml.safe_load((ROOT / "config/backbones/toy_reader.yaml").read_text())
     (tmp_path / "toy_reader.yaml").write_text(yaml.safe_dump({**spec, "path": path}))

@@ -537,11 +537,11 @@ def test_snakemake_plans_the_sweep_target(tmp_path):
 
 def test_a_trial_whose_run_folder_is_in_use_fails_at_once_and_claims_nothing(tmp_path):
     # another job (a rerun while an orphan still trains) holds trial 1's run folder
-    from a2tgpo.lock import FolderBusy
+    from a2tgpo.ops.lock import FolderBusy
 
     cfg, base = make_sweep(tmp_path), base_config(tmp_path)
     run = Path(sw.trial_config(base, cfg, 1, {}).run_dir)
-    code = ("import sys, time\nfrom a2tgpo.lock import folder_lock\n"
+    code = ("import sys, time\nfrom a2tgpo.ops.lock import folder_lock\n"
             "with folder_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE,
                               text=True)

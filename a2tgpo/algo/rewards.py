@@ -1,7 +1,7 @@
 """Answer extraction, QA metrics, format checks and outcome rewards (algorithms.md §10.2).
 
 One implementation serves training rewards and evaluation, because repos that kept two copies
-let them drift apart (ecosystem.md, "EM"). Two prompt styles (a2tgpo/rollout/prompts.py):
+let them drift apart (ecosystem.md, "EM"). Two prompt styles (a2tgpo/data/prompts.py):
 
 - `a2tgpo` (A2TGPO / AT2PO): the answer is the last `\\boxed{...}` inside `<answer>`; reward in
   {-1, 0, 1}. Read from zzfoutofspace/ATPO @98e60f6,
@@ -15,7 +15,7 @@ let them drift apart (ecosystem.md, "EM"). Two prompt styles (a2tgpo/rollout/pro
   table) and `verl/utils/reward_score/qa_em.py` from xuetae/Search-R1 @64f8b25, which matches
   volcengine/verl @32a02aa `verl/utils/reward_score/search_r1_like_qa_em.py`.
 
-What is read (`Response`; `a2tgpo.rollout.runner.score_trajectory` builds it from a
+What is read (`Response`; `a2tgpo.train.episodes.score_trajectory` builds it from a
 trajectory's token ids, for training rewards, validation and evaluation alike):
 - The answer is read from the policy's own text of the LAST turn only, the answer turn (a turn
   that ends in `</answer>` ends the episode, so a model's answer is always there), by the

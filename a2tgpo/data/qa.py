@@ -23,7 +23,7 @@ normalises to the empty string (e.g. "the": the EM normalisation drops case, pun
 the words a/an/the) is invalid, since no prediction could match it (a2tgpo/algo/rewards.py); a
 question longer than `max_question_chars` characters is invalid, a bound that needs no
 tokenizer (the exact check of the prompt's tokens against the prompt budget runs where the
-backbone's tokenizer is known: a2tgpo/rollout/runner.py).
+backbone's tokenizer is known: a2tgpo/train/episodes.py).
 
 Answers are text whatever their JSON type: a number or boolean answer becomes its JSON text
 (`1912` -> "1912", `3.0` -> "3.0", `true` -> "true"; `answer_text`), so one numeric answer

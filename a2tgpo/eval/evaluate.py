@@ -1,7 +1,7 @@
 """Test-set evaluation of a grid cell's checkpoint(s): greedy rollouts, EM/F1, group averages.
 
 The rollouts and scores are those of training's validation, by the same functions
-(`a2tgpo.rollout.runner.rollout(..., greedy=True)` and `runner.score(..., training=False)`, with
+(`a2tgpo.train.episodes.rollout(..., greedy=True)` and `episodes.score(..., training=False)`, with
 the same seed), so a dev EM and a test EM are measured the same way. The policy is the
 checkpoint's HF model directory, loaded through `a2tgpo.model.backbone` with the cell's backbone
 config pointed at it (dtype, chat template and thinking switch as in training); retriever and
@@ -29,7 +29,7 @@ reader never sees a mix of two evaluations; summary.json is the completeness mar
     tracking/metrics.jsonl      what was logged to the cell's MLflow run (a2tgpo.tracking)
 
 One question never takes the evaluation down. Before any rollout, each prompt is measured
-against the prompt budget (`rollout.runner.prompt_budget`); a longer one is not rolled out
+against the prompt budget (`train.episodes.prompt_budget`); a longer one is not rolled out
 (outcome "prompt_too_long"). A rollout call that raises is split in halves until the questions
 that raise stand alone (outcome "error", the exception in "error"); a stop request, a dead
 vLLM engine or an unreachable retriever still ends the evaluation, and so does a run where
@@ -72,12 +72,17 @@ from a2tgpo.data.qa import dataset_input, load_split
 from a2tgpo.eval.select import complete_checkpoints, read_best, step_dir_name
 from a2tgpo.io import atomic_path, atomic_write_json, atomic_write_jsonl
 from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.ops.preemption import StopRequested
 from a2tgpo.progress import progress_bar
 from a2tgpo.retrieval.http import RetrieverUnavailable
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question
 from a2tgpo.rollout.failures import OUTCOMES, label_outcomes
-from a2tgpo.rollout.runner import (
+from a2tgpo.rollout.trajectory import Trajectory
+from a2tgpo.rollout.vllm_engine import EngineDead
+from a2tgpo.tracking import SUMMARY_FILE, Tracker
+from a2tgpo.train.config import TrainConfig
+from a2tgpo.train.episodes import (
     GREEDY_SEED,
     make_engine,
     prompt_budget,
@@ -89,12 +94,7 @@ from a2tgpo.rollout.runner import (
     search_tool,
     too_long,
 )
-from a2tgpo.rollout.trajectory import Trajectory
-from a2tgpo.rollout.vllm_engine import EngineDead
-from a2tgpo.tracking import SUMMARY_FILE, Tracker
-from a2tgpo.train.config import TrainConfig
 from a2tgpo.train.memory import job_peak
-from a2tgpo.train.preemption import StopRequested
 
 log = logging.getLogger(__name__)
 

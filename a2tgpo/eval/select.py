@@ -10,14 +10,14 @@ Two criteria (DESIGN §3 "Selection and evaluation"):
   `<cell>/eval_all/step_NNNNNN/summary.json`) and the one with the best sample-weighted average
   EM over all test questions is chosen. This selects on the test set; tables label it so.
 
-Which step is best is one rule, `best_step`, shared with training's own best-step bookkeeping
-(a2tgpo/train/rl.py) and the sweeps' objective (a2tgpo/sweep.py): the best value wins by a
-strict comparison, so ties go to the EARLIEST step (the first checkpoint that reached it); step
-0 (the starting policy, saved before the first update) is a candidate only for a method that
-does not train (ReAct, `method.train: false` in the cell's config.yaml). A trained method
-reports a trained checkpoint, as the papers do (they save every 20 steps from step 20);
-otherwise a cell whose training has not yet beaten its warm start would silently report the
-starting policy, and every method's row would be ReAct's.
+Which step is best is one rule, `best_step` (a2tgpo/train/best.py), shared with training's
+own best-step bookkeeping (a2tgpo/train/rl.py) and the sweeps' objective (a2tgpo/sweep.py):
+the best value wins by a strict comparison, so ties go to the EARLIEST step (the first
+checkpoint that reached it); step 0 (the starting policy, saved before the first update) is a
+candidate only for a method that does not train (ReAct, `method.train: false` in the cell's
+config.yaml). A trained method reports a trained checkpoint, as the papers do (they save every
+20 steps from step 20); otherwise a cell whose training has not yet beaten its warm start would
+silently report the starting policy, and every method's row would be ReAct's.
 
 `<cell>/best.json` (written atomically):
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +41,7 @@ from a2tgpo.algo.methods import MethodConfig
 from a2tgpo.config import ConfigError, load_config
 from a2tgpo.io import atomic_write_json
 from a2tgpo.tracking import METRICS_FILE, SUMMARY_FILE, read_metrics
+from a2tgpo.train.best import best_step, is_candidate
 from a2tgpo.train.checkpoint import checkpoint_step, list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -110,27 +110,6 @@ def test_avg_by_step(eval_all_dir: str | Path) -> dict[int, dict]:
                                  "`a2tgpo evaluate --all-checkpoints`?)") from None
         out[step] = summary
     return out
-
-
-def is_candidate(step: int, *, trains: bool) -> bool:
-    """Step 0, the starting policy, is a candidate only for a method that does not train."""
-    return step > 0 or not trains
-
-
-def best_step(values: Mapping[int, float], *, trains: bool, maximize: bool = True
-              ) -> int | None:
-    """The best step of `values` (step -> metric): the best value by a strict comparison, so
-    among equal values the EARLIEST step wins; step 0 (the starting policy) is a candidate only
-    when `trains` is False (the method does not train, e.g. ReAct). None when no step is a
-    candidate. One rule for checkpoint selection, training's best step and sweep objectives."""
-    best = None
-    for step in sorted(values):
-        if not is_candidate(step, trains=trains):
-            continue
-        v = values[step]
-        if best is None or (v > values[best] if maximize else v < values[best]):
-            best = step
-    return best
 
 
 def method_trains(cell_dir: str | Path) -> bool:

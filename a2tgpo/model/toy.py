@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from a2tgpo.config import SEED_LIMIT, option
+from a2tgpo.data import prompts
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.copy_pretrain import CopyPretrainConfig, copy_pretrain
-from a2tgpo.rollout import prompts
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 

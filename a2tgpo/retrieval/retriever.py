@@ -21,10 +21,10 @@ from typing import Literal
 import numpy as np
 
 from a2tgpo.config import option
+from a2tgpo.data.prompts import A2TGPO_EMPTY_RESULT, PromptStyle
 from a2tgpo.retrieval.base import Hit, HttpConfig, Retriever
 from a2tgpo.retrieval.encoders import Encoder, EncoderConfig
 from a2tgpo.retrieval.index import IndexConfig
-from a2tgpo.rollout.prompts import A2TGPO_EMPTY_RESULT, PromptStyle
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ def build_retriever(cfg: RetrievalConfig, corpus: str | Path, index_path: str | 
                     cache_dir: str | Path | None = None) -> Retriever:
     """The configured retriever (in-process dense or BM25, or the HTTP client)."""
     if cfg.mode == "http":
+        from a2tgpo.ops.sidecar import ENV_URL
         from a2tgpo.retrieval.http import HttpRetriever
-        from a2tgpo.retrieval.sidecar import ENV_URL
 
         h = cfg.http
         url = os.environ.get(ENV_URL)

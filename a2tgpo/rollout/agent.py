@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from a2tgpo.config import option
+from a2tgpo.data import prompts
+from a2tgpo.ops.preemption import check_stop
 from a2tgpo.retrieval.base import Retriever
 from a2tgpo.retrieval.retriever import RetrievalConfig, format_passages
-from a2tgpo.rollout import prompts
 from a2tgpo.rollout.engine import Engine, Generation, SamplingParams, streaming
 from a2tgpo.rollout.trajectory import Trajectory, TrajectoryBuilder, Turn
-from a2tgpo.train.preemption import check_stop
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def answer_retrieved(observation_text: str, golden_answers: Sequence[str]) -> bo
 
 def classify(traj: Trajectory, observation_text: str, hops: int | None) -> str:
     """The outcome of one scored trajectory (`extra` holds em and format_ok, as
-    `rollout.runner.score` writes them); `observation_text` is its decoded observations."""
+    `train.episodes.score` writes them); `observation_text` is its decoded observations."""
     if traj.extra["em"] >= 1.0:
         return "correct"
     if traj.turns[-1].stop in LIMIT_STOPS:

@@ -87,7 +87,7 @@ class Trajectory:
 
     def response_ids(self) -> list[int]:
         """Everything after the prompt: actions and observations, in order. The reward reads
-        the turns one by one instead (`a2tgpo.rollout.runner.response_of`)."""
+        the turns one by one instead (`a2tgpo.train.episodes.response_of`)."""
         return self.token_ids()[len(self.prompt_ids):]
 
     def response_length(self) -> int:

@@ -111,7 +111,7 @@ paths under `vllm/`, lines of that wheel.
 
 Stop signals. SLURM sends SIGTERM to every process of a job step (preemption, requeue, the
 `--signal=TERM@N` warning); the trainer turns it into a stop request and checkpoints at its next
-safe point (a2tgpo/train/preemption.py). vLLM's engine core installs its own SIGTERM handler
+safe point (a2tgpo/ops/preemption.py). vLLM's engine core installs its own SIGTERM handler
 (`EngineCoreProc.run_engine_core`: abort the requests in flight, exit), and so do the multiproc
 executor's workers (`WorkerProc.worker_main`), so the engine used to die under the trainer:
 `finish_reason='abort'`, `EngineDeadError`, or a `collective_rpc` waiting forever. Design:
@@ -158,8 +158,8 @@ from typing import Any, Literal
 import torch
 
 from a2tgpo.model.backbone import Dtype, resolve_dtype
+from a2tgpo.ops.preemption import StopRequested, stop_requested
 from a2tgpo.rollout.engine import Generation, SamplingParams, StopReason
-from a2tgpo.train.preemption import StopRequested, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -568,6 +568,18 @@ class VllmEngine:
         return Generation(ids, logprobs, reason, stop_string)
 
 
+def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine process on local GPUs `devices`, given the trainer's
+    own CUDA_VISIBLE_DEVICES (`parent`, None = all GPUs visible): local index i is the i-th
+    entry of the parent's list."""
+    if parent is None or not parent.strip():
+        return ",".join(map(str, devices))
+    ids = [d.strip() for d in parent.split(",") if d.strip()]
+    if max(devices, default=-1) >= len(ids):
+        raise ValueError(f"engine devices {devices} beyond CUDA_VISIBLE_DEVICES={parent!r}")
+    return ",".join(ids[i] for i in devices)
+
+
 @contextmanager
 def _visible_gpus(devices: tuple[int, ...] | None) -> Iterator[None]:
     """CUDA_VISIBLE_DEVICES for the engine-core process vLLM spawns while the `LLM` starts:
@@ -577,8 +589,6 @@ def _visible_gpus(devices: tuple[int, ...] | None) -> Iterator[None]:
     if devices is None:
         yield
         return
-    from a2tgpo.train.distributed import visible_devices
-
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, before)
     try:

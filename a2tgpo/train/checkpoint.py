@@ -28,7 +28,7 @@ is written (`a2tgpo.io.atomic_path`), so a job killed mid-save leaves at most a 
 directory, which the next save removes. One process (rank 0) writes a run directory: pruning
 deletes any temporary directory it finds, which would break a concurrent writer.
 
-Preemption and time limits (a2tgpo/train/preemption.py): the loop saves at a safe point and
+Preemption and time limits (a2tgpo/ops/preemption.py): the loop saves at a safe point and
 exits with `EXIT_PREEMPTED`, and the rerun resumes from that checkpoint.
 """
 

@@ -238,18 +238,6 @@ def engine_placement(*, rank: int, local_rank: int, world_size: int, local_world
                            devices=tuple(range(local_rank, local_rank + tp)) if host else ())
 
 
-def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for an engine process on local GPUs `devices`, given the trainer's
-    own CUDA_VISIBLE_DEVICES (`parent`, None = all GPUs visible): local index i is the i-th
-    entry of the parent's list."""
-    if parent is None or not parent.strip():
-        return ",".join(map(str, devices))
-    ids = [d.strip() for d in parent.split(",") if d.strip()]
-    if max(devices, default=-1) >= len(ids):
-        raise ValueError(f"engine devices {devices} beyond CUDA_VISIBLE_DEVICES={parent!r}")
-    return ",".join(ids[i] for i in devices)
-
-
 def use_gpu() -> bool:
     """Train on CUDA when a GPU is visible, unless DS_ACCELERATOR=cpu tells DeepSpeed to use the
     CPU (the process group and DeepSpeed must agree on the device)."""

@@ -13,7 +13,7 @@ and the BLAS ones) split between them, waits for all of them, and exits with:
   - else 0.
 
 SIGTERM, SIGUSR1 and SIGINT are passed on to every rank and nothing else is done about them:
-the ranks checkpoint at their next safe point and exit 75 (a2tgpo/train/preemption.py), and
+the ranks checkpoint at their next safe point and exit 75 (a2tgpo/ops/preemption.py), and
 SLURM's own KillWait stays the only hard limit. This is why the DAG does not use the deepspeed
 launcher or torchrun: on SIGTERM both pass it on and SIGKILL the ranks 30 s later, before a
 checkpoint of a multi-billion-parameter model is written.
@@ -32,8 +32,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from a2tgpo.ops.preemption import EXIT_PREEMPTED
 from a2tgpo.train.distributed import SLURM_PORT_BASE, SLURM_PORT_RANGE, first_slurm_host, free_port
-from a2tgpo.train.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 

@@ -55,30 +55,28 @@ from a2tgpo.algo.api import TurnInputs, turn_advantage_tensors
 from a2tgpo.algo.info_gain import ig_by_turn, information_gain
 from a2tgpo.algo.masks import gather_turns
 from a2tgpo.algo.methods import MethodConfig
+from a2tgpo.cell import Cell, archive_dir, archive_stamp
 from a2tgpo.config import dump_config, dump_yaml, format_value, to_dict
 from a2tgpo.data.qa import dataset_input
-from a2tgpo.eval.select import best_step
-from a2tgpo.grid import archive_dir, archive_stamp
 from a2tgpo.io import atomic_write_json
-from a2tgpo.lock import folder_lock
 from a2tgpo.model.backbone import load_model, load_tokenizer
+from a2tgpo.ops.lock import folder_lock
+from a2tgpo.ops.preemption import (
+    EXIT_PREEMPTED,
+    PreemptionHandler,
+    StopRequested,
+    TimeBudget,
+)
 from a2tgpo.progress import duration, eta_s, progress_bar
 from a2tgpo.retrieval.retriever import build_retriever
 from a2tgpo.rollout.agent import Question, RolloutStats, SearchTool
+from a2tgpo.rollout.engine import Engine
 from a2tgpo.rollout.failures import outcome_metrics
 from a2tgpo.rollout.info_gain import build_probe, gold_logprob_matrix, score_gold_logprobs
-from a2tgpo.rollout.runner import (
-    GREEDY_SEED,
-    load_questions,
-    make_engine,
-    resolve_device,
-    rollout,
-    score,
-    search_tool,
-)
 from a2tgpo.rollout.trajectory import Batch, Trajectory, collate
 from a2tgpo.rollout.weight_checksum import state_checksum
 from a2tgpo.tracking import METRICS_FILE, STUDY_RUN_TAG, Tracker, cut_after, study_run_name
+from a2tgpo.train.best import best_step
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     DataOrder,
@@ -90,6 +88,7 @@ from a2tgpo.train.checkpoint import (
 )
 from a2tgpo.train.config import TrainConfig
 from a2tgpo.train.distributed import (
+    Backend,
     DeepSpeedBackend,
     EnginePlacement,
     SingleBackend,
@@ -98,15 +97,18 @@ from a2tgpo.train.distributed import (
     launcher_env,
     shutdown_distributed,
 )
+from a2tgpo.train.episodes import (
+    GREEDY_SEED,
+    load_questions,
+    make_engine,
+    resolve_device,
+    rollout,
+    score,
+    search_tool,
+)
 from a2tgpo.train.lineage import KEY as IDENTITY_KEY
 from a2tgpo.train.lineage import archive_superseded, identity_changes, run_identity
 from a2tgpo.train.memory import PhaseMemory, job_peak, release
-from a2tgpo.train.preemption import (
-    EXIT_PREEMPTED,
-    PreemptionHandler,
-    StopRequested,
-    TimeBudget,
-)
 from a2tgpo.train.reference import ReferencePolicy
 from a2tgpo.train.update import (
     UpdateBatch,
@@ -134,20 +136,20 @@ class Run:
     """One training job: what every step of the recipe reads."""
 
     cfg: TrainConfig
-    backend: Any  # a2tgpo.train.distributed.Backend
+    backend: Backend
     placement: EnginePlacement
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ref: ReferencePolicy | None  # methods with a KL term
     tok: Any
-    engine: Any
+    engine: Engine
     tool: SearchTool
     train_qs: list[Question]
     dev_qs: list[Question]
     order: DataOrder
     start: int  # steps already done (a resume starts after them)
     best: dict = field(default_factory=lambda: {"step": None, "val_em": -1.0})
-    tracker: Any = None
+    tracker: Tracker | None = None
     saved: int | None = None  # the step of the newest checkpoint
     pending_validation: bool = False  # the newest checkpoint's validation was cut short
     identity: dict | None = None  # rank 0: the config and inputs it was started from (lineage.py)
@@ -165,7 +167,7 @@ class Run:
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) one training job; returns the final summary. A time limit or a
-    preemption ends it early with a checkpoint and EXIT_PREEMPTED (a2tgpo/train/preemption.py):
+    preemption ends it early with a checkpoint and EXIT_PREEMPTED (a2tgpo/ops/preemption.py):
     safe points are each rollout wave and the end of each step."""
     # the stop handler before the set-up (loading a model takes minutes); the run folder's
     # writer lock before anything is written there
@@ -933,7 +935,7 @@ def seed_everything(seed: int) -> None:
 
 def _run_folder_lock(cfg: TrainConfig):
     """One writer per run folder: rank 0 holds its lock for the whole job (a second job on the
-    same cell fails at once with the holder's pid and host; a2tgpo/lock.py)."""
+    same cell fails at once with the holder's pid and host; a2tgpo/ops/lock.py)."""
     rank = int(launcher_env()["RANK"]) if cfg.backend == "deepspeed" else 0
     return folder_lock(cfg.run_dir, "run folder") if rank == 0 else contextlib.nullcontext()
 
@@ -1026,8 +1028,6 @@ def _tracker(cfg: TrainConfig) -> Tracker:
 
 def run_name(cfg: TrainConfig) -> str:
     """The MLflow run name: method, β and seed first (the cell path is the `cell` tag)."""
-    from a2tgpo.cell import Cell
-
     try:
         return Cell.parse(cfg.cell).display_name
     except ValueError:  # a run outside the grid (a sweep trial's or a hand-made config)

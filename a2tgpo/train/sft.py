@@ -68,9 +68,9 @@ from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.retrieval.retriever import RetrievalConfig, build_retriever
 from a2tgpo.rollout.agent import AgentConfig, SearchTool, prompt_ids
-from a2tgpo.rollout.runner import score_trajectory
 from a2tgpo.rollout.trajectory import Batch, Trajectory, TrajectoryBuilder, Turn, collate
 from a2tgpo.train.config import SftConfig
+from a2tgpo.train.episodes import score_trajectory
 
 log = logging.getLogger(__name__)
 

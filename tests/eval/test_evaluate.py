@@ -178,7 +178,7 @@ def _predict(toy_cell, tmp_path, engine_error=None, questions=("Who is Foo?", LO
 
 
 def test_failed_questions_are_recorded_and_the_others_evaluated(toy_cell, tmp_path, caplog):
-    from a2tgpo.rollout.runner import prompt_budget, prompt_lengths, question_of
+    from a2tgpo.train.episodes import prompt_budget, prompt_lengths, question_of
 
     with caplog.at_level("WARNING", logger="a2tgpo.eval.evaluate"):
         cfg, tok, sets, engine, preds = _predict(
@@ -220,9 +220,9 @@ def test_failed_questions_are_recorded_and_the_others_evaluated(toy_cell, tmp_pa
 
 @pytest.mark.parametrize("fatal", ["stop", "engine", "retriever"])
 def test_a_stop_or_a_dead_engine_still_ends_the_evaluation(toy_cell, tmp_path, fatal):
+    from a2tgpo.ops.preemption import StopRequested
     from a2tgpo.retrieval.http import RetrieverUnavailable
     from a2tgpo.rollout.vllm_engine import EngineDead
-    from a2tgpo.train.preemption import StopRequested
 
     error = {"stop": StopRequested("stop requested (SIGTERM)"), "engine": EngineDead("gone"),
              "retriever": RetrieverUnavailable("no answer")}[fatal]

@@ -10,12 +10,12 @@ from a2tgpo.cli import main
 from a2tgpo.config import dump_yaml, to_dict
 from a2tgpo.eval.select import (
     SelectionError,
-    best_step,
     read_best,
     select_checkpoint,
     write_best,
 )
 from a2tgpo.tracking import Tracker, TrackingConfig
+from a2tgpo.train.best import best_step
 
 
 def make_cell(root, val_rows, complete=(), incomplete=(), method="grpo"):

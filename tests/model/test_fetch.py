@@ -1,4 +1,4 @@
-"""`a2tgpo fetch-backbone` against the local hub (a2tgpo/hub.py; no network).
+"""`a2tgpo fetch-backbone` against the local hub (a2tgpo/ops/hub.py; no network).
 
 The hub serves a folder laid out like a hub model repo (config.json, tokenizer files, a
 safetensors index and its shards, plus a .bin copy that must not be fetched) at the commit its
@@ -12,10 +12,10 @@ import logging
 
 import pytest
 
-from a2tgpo.hub import LocalHub
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.model.fetch import FETCHED, FetchError, fetch_backbone
 from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer
+from a2tgpo.ops.hub import LocalHub
 
 REPO = "Org/Tiny-Qwen3"
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from a2tgpo.data.prompts import TAGS, build_messages
 from a2tgpo.data.world import QASetSpec, WorldConfig, write_world
 from a2tgpo.model.backbone import BackboneConfig, load_model, load_tokenizer
 from a2tgpo.model.toy import IM_END, PAD, ToyBackboneConfig, write_toy_backbone
-from a2tgpo.rollout.prompts import TAGS, build_messages
 
 SMALL_WORLD = WorldConfig(
     countries=4, cities=8, people=30, films=12, bands=6, companies=8, distractors=10,

@@ -1,4 +1,4 @@
-"""A job's own retrieval server (a2tgpo.retrieval.sidecar, `a2tgpo with-retriever`)."""
+"""A job's own retrieval server (a2tgpo.ops.sidecar, `a2tgpo with-retriever`)."""
 
 import json
 import os
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from a2tgpo.ops.sidecar import ENV_URL, RetrieverStartError, run_with_retriever
 from a2tgpo.retrieval.base import HttpConfig
 from a2tgpo.retrieval.retriever import RetrievalConfig, build_retriever
-from a2tgpo.retrieval.sidecar import ENV_URL, RetrieverStartError, run_with_retriever
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def _server_gone(state: Path) -> bool:
 
 
 def test_the_job_searches_its_own_server_which_is_stopped_after(world_dir, tmp_path, caplog):
-    caplog.set_level("INFO", logger="a2tgpo.retrieval.sidecar")
+    caplog.set_level("INFO", logger="a2tgpo.ops.sidecar")
     out = tmp_path / "job.json"
     status = run_with_retriever(_bm25(), str(world_dir / "corpus.jsonl"), None,
                                 [sys.executable, "-c", JOB, str(out)], tmp_path / "state")

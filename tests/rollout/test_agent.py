@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 from conftest import FixedRetriever
 
+from a2tgpo.data.prompts import SEARCH_R1_INVALID
 from a2tgpo.retrieval.retriever import RetrievalConfig, format_passages
 from a2tgpo.rollout.agent import (
     CALL_LIMIT_WARNING,
@@ -15,7 +16,6 @@ from a2tgpo.rollout.agent import (
     prompt_ids,
     rollout_chains,
 )
-from a2tgpo.rollout.prompts import SEARCH_R1_INVALID
 from a2tgpo.rollout.trajectory import collate
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400)
@@ -140,7 +140,7 @@ def test_extract_query_takes_the_last_one():
 
 def test_a_stop_request_ends_the_rollout_at_the_next_wave(scripted, toy_tokenizer):
     # the stop arrives during wave 1 (its search): wave 1 completes, wave 2 never starts
-    from a2tgpo.train.preemption import PreemptionHandler, StopRequested, request_stop
+    from a2tgpo.ops.preemption import PreemptionHandler, StopRequested, request_stop
 
     class StopOnSearch(FixedRetriever):
         def search(self, queries, topk):

@@ -17,7 +17,7 @@ from a2tgpo.rollout.failures import (
     outcome_metrics,
     outcome_shares,
 )
-from a2tgpo.rollout.runner import score_trajectory
+from a2tgpo.train.episodes import score_trajectory
 
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=600, max_obs_tokens=400,
                   max_tool_calls=2)
@@ -61,7 +61,7 @@ def episodes(scripted, toy_tokenizer):
     tool = SearchTool(FixedRetriever(), toy_tokenizer, CFG, SEARCH)
     trajs = rollout_chains(list(qs.values()), 1, scripted(script), tool, CFG, seed=0)
     scored = []
-    for t in trajs:  # as rollout.runner.score writes extra
+    for t in trajs:  # as train.episodes.score writes extra
         s = score_trajectory(toy_tokenizer, t, "a2tgpo", training=False)
         scored.append(dataclasses.replace(t, extra={"em": s.em, "format_ok": s.format_ok,
                                                     "answer": s.answer}))

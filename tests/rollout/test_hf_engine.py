@@ -324,7 +324,7 @@ def test_the_backbone_key_and_an_unverified_transformers_select_the_stock_path(
 
     from a2tgpo.model import fast_decode
     from a2tgpo.model.backbone import load_backbone_config, load_model, load_tokenizer
-    from a2tgpo.rollout.runner import make_engine
+    from a2tgpo.train.episodes import make_engine
 
     def loaded(text):
         path = tmp_path / "backbone.yaml"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from a2tgpo.algo.info_gain import information_gain
+from a2tgpo.data.prompts import A2TGPO_RESULT, build_messages
 from a2tgpo.data.world import QASetSpec, WorldConfig, write_world
 from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer, training_texts
 from a2tgpo.rollout.info_gain import (
@@ -14,7 +15,6 @@ from a2tgpo.rollout.info_gain import (
     gold_logprob_matrix,
     score_gold_logprobs,
 )
-from a2tgpo.rollout.prompts import A2TGPO_RESULT, build_messages
 
 SMALL_WORLD = WorldConfig(
     countries=4, cities=8, people=30, films=12, bands=6, companies=8, distractors=10,

@@ -1,5 +1,5 @@
 """What the scorer reads of a trajectory rolled out by the real agent loop, and the prompt
-budget (a2tgpo/rollout/runner.py)."""
+budget (a2tgpo/train/episodes.py)."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ from a2tgpo.algo.rewards import score_response
 from a2tgpo.model.backbone import BackboneConfig
 from a2tgpo.retrieval.base import Hit
 from a2tgpo.retrieval.retriever import RetrievalConfig
-from a2tgpo.rollout import runner
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool, prompt_ids, rollout_chains
+from a2tgpo.train import episodes
 
 SEARCH = RetrievalConfig()  # 3 passages per search
 # passages holding answer markup, as a corpus may: an answer block and a bare box
@@ -59,12 +59,12 @@ def test_a2tgpo_score_follows_the_models_answer_not_the_passages(scripted, toy_t
     whole = tok.decode(traj.response_ids(), skip_special_tokens=True)
     assert score_response(whole, ["London"], "a2tgpo", training=True).answer == "Xyzzy"
     # score() reads the answer turn: London, correct, format intact (the passage's tags inert)
-    (scored,) = runner.score(cfg, tok, [traj], training=True)
+    (scored,) = episodes.score(cfg, tok, [traj], training=True)
     assert scored.reward == 1.0
     assert (scored.extra["em"], scored.extra["answer"], scored.extra["format_ok"]) == (
         1.0, "London", True)
     # gold Paris, which only the passage's \boxed{} says: the model's London earns nothing
-    paris = runner.score_trajectory(tok, dataclasses.replace(traj, golden_answers=("Paris",)),
+    paris = episodes.score_trajectory(tok, dataclasses.replace(traj, golden_answers=("Paris",)),
                                     "a2tgpo", training=False)
     assert (paris.em, paris.f1, paris.reward, paris.answer) == (0.0, 0.0, 0.0, "London")
 
@@ -75,12 +75,12 @@ def test_search_r1_score_follows_the_models_answer_not_the_passages(scripted, to
                       "<think> London </think>\n<answer> London </answer>")
     # training: correct (1) and a valid sequence; the passage's <answer> inside <information>
     # used to break the sequence (reward 1 - 0.2 = 0.8)
-    (scored,) = runner.score(cfg, tok, [traj], training=True)
+    (scored,) = episodes.score(cfg, tok, [traj], training=True)
     assert scored.reward == 1.0 and scored.extra["format_ok"]
     # a model that never answers has no answer, although a passage holds an answer block
     cfg, silent = _roll(scripted, tok, "search_r1", "<think> no idea </think><EOS>")
     assert silent.turns[-1].stop == "eos"
-    s = runner.score_trajectory(tok, silent, "search_r1", training=False)
+    s = episodes.score_trajectory(tok, silent, "search_r1", training=False)
     assert (s.answer, s.em) == (None, 0.0)
     whole = tok.decode(silent.response_ids(), skip_special_tokens=True)
     # (read whole, the passage's block was the answer)
@@ -104,16 +104,16 @@ def test_prompt_lengths_are_the_agents_prompts(toy_tokenizer, style, monkeypatch
     cfg = _cfg(style)
     qs = [Question(str(i), q, ()) for i, q in enumerate(ODD)]
     exact = [len(prompt_ids(toy_tokenizer, q.question, style)) for q in qs]
-    assert runner.prompt_lengths(cfg, toy_tokenizer, qs) == exact
+    assert episodes.prompt_lengths(cfg, toy_tokenizer, qs) == exact
     # the fixed part is counted once on this template (the fast path is taken) ...
     calls = []
-    slot = runner._question_slot
-    monkeypatch.setattr(runner, "_question_slot", lambda *a: calls.append(s := slot(*a)) or s)
-    runner.prompt_lengths(cfg, toy_tokenizer, qs)
+    slot = episodes._question_slot
+    monkeypatch.setattr(episodes, "_question_slot", lambda *a: calls.append(s := slot(*a)) or s)
+    episodes.prompt_lengths(cfg, toy_tokenizer, qs)
     assert len(calls) == 1 and calls[0] is not None
     # ... and without it every prompt is encoded whole, with the same counts
-    monkeypatch.setattr(runner, "_question_slot", lambda *a: None)
-    assert runner.prompt_lengths(cfg, toy_tokenizer, qs) == exact
+    monkeypatch.setattr(episodes, "_question_slot", lambda *a: None)
+    assert episodes.prompt_lengths(cfg, toy_tokenizer, qs) == exact
 
 
 def test_question_slot_refuses_a_template_it_cannot_split(toy_tokenizer):
@@ -121,7 +121,7 @@ def test_question_slot_refuses_a_template_it_cannot_split(toy_tokenizer):
         return [len(toy_tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
     def slot(render):
-        return runner._question_slot(toy_tokenizer, render, count)
+        return episodes._question_slot(toy_tokenizer, render, count)
 
     assert slot(lambda q: f"<|im_start|>user\n{q}<|im_end|>\n") is not None
     # the question not placed verbatim (changed, or twice): every prompt is encoded whole
@@ -134,9 +134,9 @@ def test_question_slot_refuses_a_template_it_cannot_split(toy_tokenizer):
 def test_prompt_budget_is_the_context_left_after_the_response():
     cfg = _cfg("a2tgpo")
     # 8192 - 6192: the papers' 2000 prompt tokens
-    assert runner.prompt_budget(cfg) == 2000
+    assert episodes.prompt_budget(cfg) == 2000
     with pytest.raises(ValueError, match=r"backbone.max_model_len \(6192\) leaves no room"):
-        runner.prompt_budget(SimpleNamespace(
+        episodes.prompt_budget(SimpleNamespace(
             backbone=BackboneConfig(id="t", path="p", max_model_len=6192), rollout=cfg.rollout))
 
 
@@ -149,9 +149,9 @@ def test_training_refuses_a_question_over_the_prompt_budget(toy_tokenizer, tmp_p
     path = tmp_path / "train.parquet"
     _write_rows(path, rows)
     cfg = _cfg("a2tgpo")
-    lengths = runner.prompt_lengths(cfg, toy_tokenizer, runner.load_questions(path))
+    lengths = episodes.prompt_lengths(cfg, toy_tokenizer, episodes.load_questions(path))
     assert lengths[0] < 2000 < lengths[1]
     with pytest.raises(ValueError, match=r"train.parquet: row 1 \(id 's/1'\): its prompt is "
                                          rf"{lengths[1]} tokens, over the prompt budget of 2000"):
-        runner.load_questions(path, cfg=cfg, tok=toy_tokenizer)
-    assert len(runner.load_questions(path, 1, cfg=cfg, tok=toy_tokenizer)) == 1  # limit first
+        episodes.load_questions(path, cfg=cfg, tok=toy_tokenizer)
+    assert len(episodes.load_questions(path, 1, cfg=cfg, tok=toy_tokenizer)) == 1  # limit first

@@ -12,12 +12,12 @@ from conftest import FixedRetriever, ScriptedEngine
 
 from a2tgpo.algo.methods import RolloutShapeConfig, get_method
 from a2tgpo.model.backbone import BackboneConfig
+from a2tgpo.ops.preemption import StopRequested, _requests
 from a2tgpo.retrieval.retriever import RetrievalConfig
-from a2tgpo.rollout import runner
 from a2tgpo.rollout.agent import AgentConfig, Question, SearchTool, _seed, rollout_chains
 from a2tgpo.rollout.engine import Batching, Generation, SamplingParams
 from a2tgpo.rollout.trees import rollout_at2po, rollout_tree_grpo
-from a2tgpo.train.preemption import StopRequested, _requests
+from a2tgpo.train import episodes
 
 SEARCH = RetrievalConfig()
 CFG = AgentConfig(max_turn_tokens=64, max_response_tokens=900, max_obs_tokens=60,
@@ -199,7 +199,7 @@ def test_hf_fp32_same_trajectories_as_waves(hf, method):
         cfg = SimpleNamespace(method=SimpleNamespace(rollout=shape), rollout=agent,
                               backbone=BackboneConfig(id="toy", path="unused"))
         tool = SearchTool(FixedRetriever(), tok, agent, SEARCH)
-        out[schedule] = runner.rollout(cfg, QS[:1], make(), tool, seed=3)
+        out[schedule] = episodes.rollout(cfg, QS[:1], make(), tool, seed=3)
     assert _ids(out["trajectory"]) == _ids(out["waves"])
     assert len({len(t.turns) for t in out["waves"]}) > 1  # trajectories of several lengths
 

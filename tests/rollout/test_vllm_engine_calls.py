@@ -16,6 +16,8 @@ import types
 import psutil
 import pytest
 
+from a2tgpo.ops import preemption
+from a2tgpo.ops.preemption import StopRequested, request_stop
 from a2tgpo.rollout import vllm_engine
 from a2tgpo.rollout.engine import SamplingParams
 from a2tgpo.rollout.vllm_engine import (
@@ -23,10 +25,9 @@ from a2tgpo.rollout.vllm_engine import (
     VllmEngine,
     _stop_signals_blocked,
     _unprotected,
+    visible_devices,
     watched_call,
 )
-from a2tgpo.train import preemption
-from a2tgpo.train.preemption import StopRequested, request_stop
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
@@ -349,3 +350,11 @@ def test_cancel_aborts_what_is_in_flight(fake_vllm, sleeper):
     eng.cancel()
     assert eng.llm.llm_engine.aborted == ["a2tgpo-1", "a2tgpo-2"]
     assert not eng._in_flight and not any(f.done() for f in futs)
+
+
+def test_visible_devices_maps_local_indices_through_the_parent_list():
+    assert visible_devices((2, 3), None) == "2,3"
+    # the launcher gave the node's GPUs 4..7: local GPU 1 is physical 5
+    assert visible_devices((1,), "4,5,6,7") == "5"
+    with pytest.raises(ValueError, match="beyond CUDA_VISIBLE_DEVICES"):
+        visible_devices((4,), "4,5,6,7")

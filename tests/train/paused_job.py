@@ -27,7 +27,7 @@ PAUSE_S = 600
 
 
 def _pause(phase: str) -> None:
-    from a2tgpo.train.preemption import stop_requested
+    from a2tgpo.ops.preemption import stop_requested
 
     marker = Path(os.environ["A2TGPO_PAUSE_DIR"]) / f"{phase}.rank{os.environ.get('RANK', '0')}"
     marker.write_text(str(os.getpid()))

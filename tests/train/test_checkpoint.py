@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from a2tgpo.model.toy import ToyBackboneConfig, build_model, build_tokenizer
+from a2tgpo.ops.preemption import EXIT_PREEMPTED, PreemptionHandler
 from a2tgpo.train.checkpoint import (
     BACKEND_DIR,
     COMPLETE,
@@ -33,7 +34,6 @@ from a2tgpo.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from a2tgpo.train.preemption import EXIT_PREEMPTED, PreemptionHandler
 
 TINY = ToyBackboneConfig(
     vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

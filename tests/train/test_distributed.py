@@ -40,7 +40,6 @@ from a2tgpo.train.distributed import (
     deepspeed_config,
     engine_placement,
     launcher_env,
-    visible_devices,
 )
 from a2tgpo.train.launch import remove_shm_buffers
 
@@ -274,11 +273,3 @@ def test_engine_placement_tensor_parallel_groups():
     assert sorted(q for p in got for q in p.share(qs)) == qs
     with pytest.raises(ValueError, match="rollout_tp=3 must divide the ranks per node"):
         engine_placement(rank=0, local_rank=0, world_size=8, local_world_size=4, tp=3)
-
-
-def test_visible_devices_maps_local_indices_through_the_parent_list():
-    assert visible_devices((2, 3), None) == "2,3"
-    # the launcher gave the node's GPUs 4..7: local GPU 1 is physical 5
-    assert visible_devices((1,), "4,5,6,7") == "5"
-    with pytest.raises(ValueError, match="beyond CUDA_VISIBLE_DEVICES"):
-        visible_devices((4,), "4,5,6,7")

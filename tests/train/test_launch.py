@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from a2tgpo.ops.preemption import EXIT_PREEMPTED
 from a2tgpo.train.launch import rank_envs, remove_shm_buffers
-from a2tgpo.train.preemption import EXIT_PREEMPTED
 
 # each rank: a gloo all-reduce of its rank (the rendezvous works), then per MODE
 RANK = textwrap.dedent("""

@@ -19,11 +19,7 @@ import pytest
 import torch
 
 from a2tgpo.algo.methods import METHODS
-from a2tgpo.tracking import read_metrics
-from a2tgpo.train import rl
-from a2tgpo.train.checkpoint import latest_checkpoint, list_checkpoints
-from a2tgpo.train.config import ScheduleConfig
-from a2tgpo.train.preemption import (
+from a2tgpo.ops.preemption import (
     ANCHOR_ENV,
     EXIT_PREEMPTED,
     PreemptionHandler,
@@ -33,6 +29,10 @@ from a2tgpo.train.preemption import (
     check_stop,
     job_end_time,
 )
+from a2tgpo.tracking import read_metrics
+from a2tgpo.train import rl
+from a2tgpo.train.checkpoint import latest_checkpoint, list_checkpoints
+from a2tgpo.train.config import ScheduleConfig
 from a2tgpo.train.rl import ROLLOUT_TIMES
 
 pytestmark = pytest.mark.slow

@@ -95,7 +95,8 @@ def test_a_study_on_a_reader_world_is_refused(tmp_path):
 
 
 def test_check_study_refuses_a_reader_pretrained_on_the_study_world(tmp_path, monkeypatch):
-    from a2tgpo.study import check_study, load_study
+    from a2tgpo.study import load_study
+    from a2tgpo.study_checks import check_study
 
     monkeypatch.chdir(ROOT)
     reader = tmp_path / "reader"

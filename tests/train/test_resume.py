@@ -22,7 +22,7 @@ from run_records import learned_summary
 
 from a2tgpo.algo.methods import METHODS
 from a2tgpo.config import dump_config
-from a2tgpo.lock import holder
+from a2tgpo.ops.lock import holder
 from a2tgpo.tracking import read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 from a2tgpo.train.config import ScheduleConfig

@@ -40,10 +40,10 @@ import torch  # noqa: E402
 from a2tgpo.algo.methods import METHODS  # noqa: E402
 from a2tgpo.config import dump_config  # noqa: E402
 from a2tgpo.model.backbone import load_model, load_tokenizer  # noqa: E402
+from a2tgpo.ops.preemption import EXIT_PREEMPTED  # noqa: E402
 from a2tgpo.tracking import read_metrics  # noqa: E402
 from a2tgpo.train.checkpoint import COMPLETE, latest_checkpoint  # noqa: E402
 from a2tgpo.train.config import ScheduleConfig  # noqa: E402
-from a2tgpo.train.preemption import EXIT_PREEMPTED  # noqa: E402
 from a2tgpo.train.rl import ROLLOUT_TIMES, train  # noqa: E402
 from a2tgpo.train.update import token_logprobs  # noqa: E402
 

@@ -217,7 +217,7 @@ def test_toy_dag_end_to_end(workdir):
         if run.data.tags["method"] != "react":
             assert "train/reward" in run.data.metrics
 
-    # the job logs read as a person reads them (a2tgpo/joblog.py): plain lines, no bar
+    # the job logs read as a person reads them (a2tgpo/ops/joblog.py): plain lines, no bar
     # frames and no loader noise; each begins with what the job is and ends with how it went
     logs = sorted(p for p in (res / "logs").rglob("*.log"))
     assert len(logs) > 10
@@ -283,7 +283,7 @@ def test_killed_snakemake_leaves_one_writer_per_run_folder(workdir):
     import signal
     import time
 
-    from a2tgpo.lock import holder
+    from a2tgpo.ops.lock import holder
     from a2tgpo.tracking import read_metrics
 
     small_toy(workdir, methods=("grpo",))

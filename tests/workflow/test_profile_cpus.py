@@ -1,5 +1,5 @@
 """Grid jobs get the CPUs their study config asks for, whatever host Snakemake runs on, and a
-job that got fewer says so at start (a2tgpo/job_cpus.py).
+job that got fewer says so at start (a2tgpo/ops/job_cpus.py).
 
 Snakemake caps a job's `threads` at --cores even for SLURM jobs, and profiles/default's
 `cores: all` makes that the submitting host's count, so the rules request CPUs with the resource
@@ -19,7 +19,7 @@ import yaml
 from snakemake_executor_plugin_slurm_jobstep import get_cpu_setting
 
 from a2tgpo.config import ConfigError
-from a2tgpo.job_cpus import ENV, THREAD_VARS, check_job_cpus, granted_cpus
+from a2tgpo.ops.job_cpus import ENV, THREAD_VARS, check_job_cpus, granted_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -108,7 +108,7 @@ def test_granted_cpus_is_the_smaller_of_affinity_and_slurm():
 
 
 def test_job_with_fewer_cpus_than_configured_warns_once_naming_the_key(caplog):
-    caplog.set_level(logging.WARNING, logger="a2tgpo.job_cpus")
+    caplog.set_level(logging.WARNING, logger="a2tgpo.ops.job_cpus")
     msg = check_job_cpus("train.threads", {ENV: "64", "SLURM_CPUS_PER_TASK": "2"},
                          set(range(96)))
     assert msg is not None
@@ -123,7 +123,7 @@ def test_job_with_fewer_cpus_than_configured_warns_once_naming_the_key(caplog):
 
 
 def test_job_with_enough_cpus_or_no_request_is_quiet(caplog):
-    caplog.set_level(logging.DEBUG, logger="a2tgpo.job_cpus")
+    caplog.set_level(logging.DEBUG, logger="a2tgpo.ops.job_cpus")
     assert check_job_cpus("train.threads", {ENV: "64", "SLURM_CPUS_PER_TASK": "64"},
                           set(range(64))) is None
     assert check_job_cpus("train.threads", {}, {0}) is None  # started by hand: nothing asked
@@ -148,12 +148,12 @@ def test_train_and_evaluate_commands_check_at_start(command, key, tmp_path, monk
     command ends there): more CPUs asked than any host has."""
     from a2tgpo.cli import main
 
-    caplog.set_level(logging.WARNING, logger="a2tgpo.job_cpus")
+    caplog.set_level(logging.WARNING, logger="a2tgpo.ops.job_cpus")
     monkeypatch.setenv(ENV, "100000")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     args = [command, str(tmp_path / "missing.yaml")]
     if command == "evaluate":
         args += ["--all-checkpoints", "--test", "x", "--out", str(tmp_path / "out")]
     assert main(args) != 0
-    warned = [r.getMessage() for r in caplog.records if r.name == "a2tgpo.job_cpus"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "a2tgpo.ops.job_cpus"]
     assert len(warned) == 1 and warned[0].startswith(f"{key} = 100000 "), warned

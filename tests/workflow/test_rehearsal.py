@@ -44,7 +44,7 @@ pytest.importorskip("vllm", reason="vllm not installed: run scripts/setup_vllm_c
 import test_slurm  # tests/workflow is on sys.path (pytest imports test files by rootdir)
 from test_slurm import BIN, ROOT, assert_each_step_logged_once, find, jobs, show_job
 
-from a2tgpo.hub import scan
+from a2tgpo.ops.hub import scan
 from a2tgpo.tracking import read_metrics
 from a2tgpo.train.checkpoint import checkpoint_step, latest_checkpoint
 

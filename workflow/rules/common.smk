@@ -7,6 +7,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 import a2tgpo.study as study_lib
+from a2tgpo.study_checks import check_study
 from a2tgpo.config import NAME, ConfigError, parse_override, read_yaml, to_dict
 from a2tgpo.study import study_from_dict
 
@@ -29,7 +30,7 @@ def _typed_config_args():
 
 
 # 1. the strict loader (file, key, a suggestion), then every check that needs more than the
-# file (a2tgpo.study.check_study: the grid, overrides, sweeps, memory plans; `a2tgpo
+# file (a2tgpo.study_checks.check_study: the grid, overrides, sweeps, memory plans; `a2tgpo
 # check-config` runs the same function); the main process plans, job processes need not
 def _config_source():
     """Where the config came from, for error messages: its files and --config values."""
@@ -45,7 +46,7 @@ try:
         read_yaml(_file)
     _typed_config_args()
     STUDY = study_from_dict(config, source=_config_source())
-    CHECKS = study_lib.check_study(STUDY, _config_source(), plan=workflow.is_main_process)
+    CHECKS = check_study(STUDY, _config_source(), plan=workflow.is_main_process)
 except ConfigError as e:
     sys.exit(f"invalid config: {e}")
 
@@ -83,9 +84,9 @@ for _var, _path in study_lib.cache_env(STUDY).items():
     os.environ.setdefault(_var, _path)
 
 # jobs end with the Snakemake that started them: killed, it leaves no orphan writing a run
-# folder (a2tgpo/train/preemption.py, "the anchor"); a job's own Snakemake on SLURM re-parses
+# folder (a2tgpo/ops/preemption.py, "the anchor"); a job's own Snakemake on SLURM re-parses
 # this file, so it anchors that job's processes
-from a2tgpo.train.preemption import ANCHOR_ENV, anchor_value
+from a2tgpo.ops.preemption import ANCHOR_ENV, anchor_value
 
 os.environ[ANCHOR_ENV] = anchor_value()
 BACKBONES = {b: STUDY.backbone(b) for b in STUDY.backbones}
@@ -245,14 +246,14 @@ def with_retriever(cfg_path, state_dir=None):
     return WITH_RETRIEVER.replace("{input.cfg:q}", where)
 
 
-from a2tgpo.job_cpus import ENV as JOB_CPUS_ENV, THREAD_VARS
+from a2tgpo.ops.job_cpus import ENV as JOB_CPUS_ENV, THREAD_VARS
 
 
 def job_cpus_env(n):
     """The shell prefix of a grid job (train, sweep_trial, evaluate, evaluate_all) for the `n`
     CPUs its study config asks (train.threads / eval.threads; the rule's resource cpus_per_task
     requests them from SLURM): the thread counts, and A2TGPO_JOB_CPUS, which the job checks its
-    CPUs against at start (a2tgpo/job_cpus.py).
+    CPUs against at start (a2tgpo/ops/job_cpus.py).
 
     Not from the rule's `threads`: Snakemake caps those at --cores, even for SLURM jobs
     (snakemake/rules.py), and profiles/default's `cores: all`, which wins over any profile's

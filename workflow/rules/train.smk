@@ -111,7 +111,7 @@ rule train:
         cmd=lambda wc, threads: train_command(wc, threads),
         retriever=lambda wc, input: with_retriever(input.cfg),
     # exec: no shell between Snakemake and the job, since SLURM's SIGTERM reaches every
-    # process of the job step and a shell would die of it (a2tgpo/train/preemption.py)
+    # process of the job step and a shell would die of it (a2tgpo/ops/preemption.py)
     shell:
         "HF_HUB_OFFLINE=1 "
         + job_cpus_env(TRAIN.threads)

@@ -13,26 +13,27 @@ question whose prompt is longer cannot be rolled out within the context; `prepar
 questions by characters (`data.max_question_chars`) before any tokenizer is known, and the exact
 token check runs where it is: training refuses such a question (`load_questions`), evaluation
 records it as failed and goes on (a2tgpo/eval/evaluate.py).
+
+Every function reads the run's TrainConfig (backbone, method, rollout and engine settings), so
+this module sits with training, above a2tgpo/rollout/, whose parts it puts together.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from a2tgpo.algo.rewards import Response, Score, score_response
+from a2tgpo.data import prompts
 from a2tgpo.data.qa import load_split
 from a2tgpo.model.backbone import chat_template_kwargs
-from a2tgpo.rollout import prompts, trees
+from a2tgpo.rollout import trees
 from a2tgpo.rollout.agent import Question, SearchTool, rollout_chains
 from a2tgpo.rollout.hf_engine import HfEngine
 from a2tgpo.rollout.trajectory import Trajectory
-
-if TYPE_CHECKING:  # the config holds rollout settings: a type-only import avoids a cycle
-    from a2tgpo.train.config import TrainConfig
+from a2tgpo.train.config import TrainConfig
 
 # the seed of greedy validation and evaluation rollouts (greedy decoding draws nothing from it;
 # one constant keeps them the same computation)

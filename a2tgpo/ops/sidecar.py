@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from a2tgpo.config import dump_config
-from a2tgpo.train.preemption import ANCHOR_ENV, anchor_value
+from a2tgpo.ops.preemption import ANCHOR_ENV, anchor_value
 
 log = logging.getLogger(__name__)
 

@@ -128,8 +128,8 @@ def begin(command: str, argv: list[str], config: str | Path | None = None) -> li
 def end(command: str, rc: int | None, seconds: float, summary: str | None = None,
         out: str | Path | None = None) -> str:
     """Log the closing line: time, exit status, the command's summary, its outputs."""
+    from a2tgpo.ops.preemption import EXIT_PREEMPTED
     from a2tgpo.progress import duration
-    from a2tgpo.train.preemption import EXIT_PREEMPTED
 
     status = {0: "finished", EXIT_PREEMPTED: f"stopped, resumable (exit {rc})"}.get(
         rc, f"failed (exit {rc})")
@@ -156,7 +156,7 @@ def devices(environ: dict[str, str] | None = None, proc: str | Path = NVIDIA_PRO
     """The GPUs and CPUs this job may use, read without importing torch (which would add
     seconds to every job): the NVIDIA driver lists the node's GPUs under /proc,
     CUDA_VISIBLE_DEVICES narrows them (by index in PCI order, or by UUID)."""
-    from a2tgpo.job_cpus import granted_cpus
+    from a2tgpo.ops.job_cpus import granted_cpus
 
     env = os.environ if environ is None else environ
     gpus = []  # (uuid, model) in PCI bus order

