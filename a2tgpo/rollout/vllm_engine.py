@@ -147,6 +147,7 @@ import io
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -244,6 +245,7 @@ class VllmEngine:
                  kv_cache_space_gb: float | None = None,
                  weight_chunk_bytes: int = GiB, devices: tuple[int, ...] | None = None,
                  weight_sync: WeightSync = "bytes", **llm_kwargs: Any):
+        _quiet_vllm_logs(llm_kwargs)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -607,6 +609,18 @@ def rank_cpu_cores(cores: list[int], local_rank: int, local_size: int) -> list[i
     if n >= local_size:
         return cores[local_rank * n // local_size:(local_rank + 1) * n // local_size]
     return [cores[local_rank % n]]
+
+
+def _quiet_vllm_logs(llm_kwargs: dict[str, Any]) -> None:
+    """vLLM's own lines stay out of job logs unless asked for: its INFO lines (dozens per
+    engine start: config, thread binding, KV cache sizing, some with carriage returns) drop to
+    its warnings (`VLLM_LOGGING_LEVEL`, read by this process and the engine processes it
+    starts; a value set by hand wins), and the weight-loading bar shows only on a terminal
+    (`use_tqdm_on_load`; a file would keep each redraw)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if "vllm" in sys.modules:  # its logger was configured at import
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    llm_kwargs.setdefault("use_tqdm_on_load", sys.stderr.isatty())
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -132,6 +133,12 @@ def test_every_rank_engine_holds_its_trainers_weights_also_after_a_kill_and_resu
     assert latest_checkpoint(tmp_path / "run").name == "step_000002"
     out = _launch(tmp_path / "cfg.yaml")  # resumes from step 2, runs step 3
     assert "resumed from" in out
+    # the job's log as a person reads it: vLLM's INFO lines (its format: "INFO 12-07 23:16:42
+    # [core.py:133] ...") and its weight-loading bar stay out. Bytes: read_text() would turn
+    # each carriage return into a newline
+    raw = (tmp_path / "cfg.log").read_bytes().decode()
+    assert "\r" not in raw and "Loading safetensors checkpoint shards" not in raw, raw[-3000:]
+    assert not re.search(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[", raw), raw[-3000:]
     rows = read_metrics(tmp_path / "run")
     report = {step: _diffs(rows if step == 3 else first, step) for step in (1, 2, 3)}
     print("max |log π_engine − log π_old| by step and rank:", report)
