@@ -62,7 +62,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -468,8 +468,18 @@ def _one_line(summary: dict, timing: dict, out_dir: Path) -> str:
 # entry points
 
 
-def _retriever(cfg: TrainConfig):
-    return build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
+@contextlib.contextmanager
+def _evaluating(track: _Track, cfg: TrainConfig) -> Iterator[Any]:
+    """The study's retriever for an evaluation, closed after it; an exception (a failure, a
+    stop) ends the evaluation's tracked run with it before it propagates."""
+    retriever = build_retriever(cfg.retrieval, cfg.corpus, cfg.index)
+    try:
+        yield retriever
+    except BaseException as e:
+        track.end(e)
+        raise
+    finally:
+        retriever.close()
 
 
 def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[str | Path],
@@ -485,17 +495,11 @@ def evaluate_best(cfg: TrainConfig, best_path: str | Path, test_paths: Sequence[
     tags = {"eval.criterion": best["criterion"], "eval.label": best["label"],
             "eval.step": best["step"], "eval.checkpoint": best["checkpoint"]}
     track = _Track(cell, cfg, out, tags, "eval")
-    retriever = _retriever(cfg)
-    try:
+    with _evaluating(track, cfg) as retriever:
         summary, _, timing = evaluate_checkpoint(
             cfg, best["model_dir"], test_sets, out, step=int(best["step"]),
             checkpoint=best["checkpoint"], criterion=best["criterion"], label=best["label"],
             retriever=retriever, chunk=chunk, max_batch=max_batch, progress=progress)
-    except BaseException as e:
-        track.end(e)
-        raise
-    finally:
-        retriever.close()
 
     def log_all(tracker):
         tracker.log(tracked_metrics(summary), summary["step"])
@@ -540,18 +544,12 @@ def evaluate_all(cfg: TrainConfig, test_paths: Sequence[str | Path], out_dir: st
     engine = None
     if todo:
         track = _Track(cell, cfg, out, {}, "eval_all")
-        retriever = _retriever(cfg)
-        try:
+        with _evaluating(track, cfg) as retriever:
             for step, model_dir, rel in todo:
                 summaries[step], engine, timings[step] = evaluate_checkpoint(
                     cfg, model_dir, test_sets, out / step_dir_name(step), step=step,
                     checkpoint=rel, criterion=None, label=f"step {step}", retriever=retriever,
                     chunk=chunk, max_batch=max_batch, engine=engine, progress=progress)
-        except BaseException as e:
-            track.end(e)
-            raise
-        finally:
-            retriever.close()
 
         def log_all(tracker):
             for step in sorted(timings):
