@@ -726,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate the pretraining worlds, train the tokenizer on them, build the "
         "tiny Qwen3 model, copy-pretrain it, fine-tune it on the oracle's demonstrations of "
         "every pretraining question (a2tgpo/train/reader.py), and save it with "
-        "save_pretrained plus a2tgpo_reader.json. About 45 min on one CPU thread.",
+        "save_pretrained plus a2tgpo_reader.json. About 25 min on one CPU thread.",
         formatter_class=fmt,
     )
     _config_args(p, "toy_reader")
